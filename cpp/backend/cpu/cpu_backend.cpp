@@ -1,0 +1,212 @@
+// The CPU backend: the reference every other backend is tested against. fp32 activations.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "backend/cpu/cpu_kernels.h"
+#include "backend/random.h"
+#include "core/error.h"
+
+namespace qrt {
+namespace cpu {
+
+float load_f32(const Tensor& t, int64_t r, int64_t c) {
+  const int64_t i = r * t.stride + c;
+  switch (t.dtype) {
+    case DType::F32: return t.ptr<float>()[i];
+    case DType::BF16: return bf16_to_f32(t.ptr<uint16_t>()[i]);
+    case DType::F16: return f16_to_f32(t.ptr<uint16_t>()[i]);
+    case DType::F8E4M3: return f8e4m3_to_f32(t.ptr<uint8_t>()[i]);
+    default: throw std::runtime_error("load_f32: not a float tensor");
+  }
+}
+
+void load_row_f32(const Tensor& t, int64_t r, float* dst) {
+  const char* src = static_cast<const char*>(t.data) + r * t.stride * int64_t(dtype_size(t.dtype));
+  convert_host(src, t.dtype, dst, DType::F32, size_t(t.cols));
+}
+
+void store_row_f32(const float* src, Tensor& t, int64_t r) {
+  char* dst = static_cast<char*>(t.data) + r * t.stride * int64_t(dtype_size(t.dtype));
+  convert_host(src, DType::F32, dst, t.dtype, size_t(t.cols));
+}
+
+namespace {
+
+float* row(const Tensor& t, int64_t r) { return t.ptr<float>() + r * t.stride; }
+
+void check_f32(const Tensor& t, const char* op) {
+  QRT_CHECK(t.dtype == DType::F32, "cpu ", op, ": activations must be float32, got ", dtype_name(t.dtype));
+}
+
+void rms_row(const float* x, int64_t n, const Tensor& w, float eps, bool zc, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = load_f32(w, 0, i);
+    out[i] = x[i] * inv * (zc ? 1.0f + wi : wi);
+  }
+}
+
+}  // namespace
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_num_procs()) {}
+  std::string name() const override { return "cpu"; }
+  DType act_dtype() const override { return DType::F32; }
+
+  void* alloc(size_t bytes) override {
+    const size_t n = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n ? n : 64);
+    QRT_CHECK(p, "cpu: out of memory allocating ", bytes, " bytes");
+    return p;
+  }
+  void release(void* p) override { std::free(p); }
+  void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void fill_zero(void* p, size_t n) override { std::memset(p, 0, n); }
+  void synchronize() override {}
+  void memory_info(size_t* free_b, size_t* total_b) override {
+    std::ifstream f("/proc/meminfo");
+    std::string key;
+    size_t val = 0, avail = 0, total = 0;
+    std::string unit;
+    while (f >> key >> val >> unit) {
+      if (key == "MemAvailable:") avail = val * 1024;
+      if (key == "MemTotal:") total = val * 1024;
+    }
+    *free_b = avail;
+    *total_b = total;
+  }
+
+  void fill_random(Tensor& t, uint64_t seed, float scale, float offset) override {
+    std::vector<float> buf(t.cols);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      for (int64_t c = 0; c < t.cols; ++c)
+        buf[c] = offset + scale * (2.0f * uniform01(seed, uint64_t(r), uint64_t(c)) - 1.0f);
+      store_row_f32(buf.data(), t, r);
+    }
+  }
+  void convert(const Tensor& src, Tensor& dst) override {
+    QRT_CHECK(src.rows == dst.rows && src.cols == dst.cols, "cpu convert: shape mismatch");
+    std::vector<float> buf(src.cols);
+    for (int64_t r = 0; r < src.rows; ++r) {
+      load_row_f32(src, r, buf.data());
+      store_row_f32(buf.data(), dst, r);
+    }
+  }
+
+  void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override {
+    check_f32(out, "embedding");
+    for (int64_t i = 0; i < out.rows; ++i) {
+      QRT_CHECK(ids[i] >= 0 && ids[i] < table.rows, "embedding: token id ", ids[i], " out of range");
+      load_row_f32(table, ids[i], row(out, i));
+    }
+  }
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
+    check_f32(x, "rms_norm");
+#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r) rms_row(row(x, r), x.cols, w, eps, zc, row(out, r));
+  }
+  void add_rms_norm(Tensor& res, const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
+    check_f32(x, "add_rms_norm");
+#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r) {
+      float* rr = row(res, r);
+      const float* xr = row(x, r);
+      for (int64_t i = 0; i < x.cols; ++i) rr[i] += xr[i];
+      rms_row(rr, x.cols, w, eps, zc, row(out, r));
+    }
+  }
+  void head_rms_norm(Tensor& x, int hd, const Tensor& w, float eps, bool zc) override {
+    check_f32(x, "head_rms_norm");
+    const int64_t heads = x.cols / hd;
+#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = row(x, r) + h * hd;
+        rms_row(p, hd, w, eps, zc, p);
+      }
+  }
+  void rope(Tensor& x, int hd, const int32_t* positions, const RopeTable& tab) override {
+    check_f32(x, "rope");
+    const int64_t heads = x.cols / hd;
+    const int half = tab.rot_dim / 2;
+    for (int64_t r = 0; r < x.rows; ++r)
+      QRT_CHECK(positions[r] >= 0 && positions[r] < tab.max_positions, "rope: position ", positions[r],
+                " outside the table");
+#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r) {
+      const float* cs = tab.cos_sin + int64_t(positions[r]) * tab.rot_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = row(x, r) + h * hd;
+        for (int i = 0; i < half; ++i) {
+          const float a = p[i], b = p[i + half], c = cs[i], s = cs[half + i];
+          p[i] = a * c - b * s;
+          p[i + half] = b * c + a * s;
+        }
+      }
+    }
+  }
+  void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override {
+    QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
+    cpu::gemm(x, w.w, bias, out, threads_);
+  }
+  void silu_mul(const Tensor& gu, Tensor& out) override {
+    check_f32(gu, "silu_mul");
+    const int64_t I = out.cols;
+#pragma omp parallel for num_threads(threads_) if (out.rows > 8)
+    for (int64_t r = 0; r < out.rows; ++r) {
+      const float* g = row(gu, r);
+      float* o = row(out, r);
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
+    }
+  }
+  void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b, KvLayer& cache) override {
+    check_f32(k, "write_kv");
+    const int64_t cols = k.cols;
+    for (int64_t r = 0; r < k.rows; ++r) {
+      const int64_t dst = int64_t(b.kv_rows[r]) * cols;
+      std::memcpy(static_cast<float*>(cache.k) + dst, row(k, r), cols * 4);
+      std::memcpy(static_cast<float*>(cache.v) + dst, row(v, r), cols * 4);
+    }
+  }
+  void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
+                 Tensor& out) override {
+    cpu::attention(q, cache, b, s, out, threads_);
+  }
+  void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override {
+    const size_t rb = size_t(x.cols) * dtype_size(x.dtype);
+    for (int64_t i = 0; i < out.rows; ++i)
+      std::memcpy(static_cast<char*>(out.data) + i * out.stride * dtype_size(out.dtype),
+                  static_cast<const char*>(x.data) + rows[i] * x.stride * dtype_size(x.dtype), rb);
+  }
+  void add(Tensor& x, const Tensor& y) override {
+    check_f32(x, "add");
+    for (int64_t r = 0; r < x.rows; ++r) {
+      float* a = row(x, r);
+      const float* b = row(y, r);
+      for (int64_t i = 0; i < x.cols; ++i) a[i] += b[i];
+    }
+  }
+  void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) override {
+    cpu::sample(logits, rows, out, threads_);
+  }
+
+ private:
+  int threads_;
+};
+
+}  // namespace cpu
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
+  return std::make_unique<cpu::CpuBackend>(num_threads);
+}
+
+}  // namespace qrt

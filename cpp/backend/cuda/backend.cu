@@ -1,0 +1,421 @@
+// CudaBackend: memory, transfers, graphs and op dispatch; the plugin's backend entry points.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+namespace qrt::cuda {
+
+void CudaBackend::set_device() const { check(cudaSetDevice(dev_), "cudaSetDevice"); }
+
+CudaBackend::CudaBackend(int device, DType act) : dev_(device), act_(act) {
+  QRT_CHECK(act == DType::F32 || act == DType::F16 || act == DType::BF16,
+            "cuda: unsupported activation dtype ", dtype_name(act));
+  set_device();
+  try {
+    check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev_), "device attributes");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    gemm_.init(size_t(32) << 20);
+    for (int i = 0; i < 2; ++i) {
+      check(cudaMallocHost(&stage_[i], kStage), "cudaMallocHost (staging)");
+      check(cudaEventCreateWithFlags(&stage_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
+    }
+  } catch (...) {
+    cleanup();  // gemm_ frees itself during unwinding
+    throw;
+  }
+}
+
+CudaBackend::~CudaBackend() { cleanup(); }
+
+void CudaBackend::cleanup() noexcept {
+  cudaSetDevice(dev_);
+  if (stream_) cudaStreamSynchronize(stream_);
+  for (auto g : graphs_) cudaGraphExecDestroy(g);
+  graphs_.clear();
+  for (Scratch* s : {&w_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_out_}) {
+    if (s->p) cudaFree(s->p);
+    s->p = nullptr;
+    s->bytes = 0;
+  }
+  for (void* p : retired_) cudaFree(p);
+  retired_.clear();
+  for (int i = 0; i < 2; ++i) {
+    if (stage_[i]) cudaFreeHost(stage_[i]);
+    if (stage_ev_[i]) cudaEventDestroy(stage_ev_[i]);
+    stage_[i] = nullptr;
+    stage_ev_[i] = nullptr;
+  }
+  if (io_) cudaFreeHost(io_);
+  io_ = nullptr;
+  if (stream_) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  // gemm_ (handle, workspace) is destroyed after this body, on the same device.
+}
+
+void CudaBackend::no_capture(const char* op) const {
+  QRT_CHECK(!capturing_, "cuda ", op, ": not allowed while a graph is being captured");
+}
+
+void* CudaBackend::alloc(size_t bytes) {
+  set_device();
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    throw std::runtime_error(str_cat("cuda:", dev_, ": out of memory allocating ", bytes, " bytes (",
+                                     fr, " of ", tot, " bytes free): ", cudaGetErrorString(e)));
+  }
+  return p;
+}
+
+void CudaBackend::release(void* p) {
+  if (!p) return;
+  set_device();
+  check(cudaFree(p), "cudaFree");
+}
+
+void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {
+  if (s.bytes >= bytes) return s.p;
+  const size_t want = std::max(bytes, s.bytes * 2);
+  if (s.p) {
+    if (graphs_.empty() && !capturing_) {
+      check(cudaStreamSynchronize(stream_), what);
+      check(cudaFree(s.p), what);
+    } else {
+      retired_.push_back(s.p);
+    }
+    s.p = nullptr;
+    s.bytes = 0;
+  }
+  s.p = alloc(want);
+  s.bytes = want;
+  return s.p;
+}
+
+void* CudaBackend::pinned_io(size_t bytes) {
+  if (io_bytes_ >= bytes) return io_;
+  if (io_) check(cudaFreeHost(io_), "cudaFreeHost");
+  io_ = nullptr;
+  io_bytes_ = 0;
+  const size_t want = std::max<size_t>(bytes, 1 << 16);
+  check(cudaMallocHost(&io_, want), "cudaMallocHost (sampling)");
+  io_bytes_ = want;
+  return io_;
+}
+
+void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
+  set_device();
+  no_capture("upload");
+  const char* src = static_cast<const char*>(host_src);
+  char* d = static_cast<char*>(dst);
+  int b = 0;
+  for (size_t off = 0; off < bytes; off += kStage, b ^= 1) {
+    const size_t n = std::min(kStage, bytes - off);
+    check(cudaEventSynchronize(stage_ev_[b]), "upload");  // the copy that last used this buffer is done
+    std::memcpy(stage_[b], src + off, n);
+    check(cudaMemcpyAsync(d + off, stage_[b], n, cudaMemcpyHostToDevice, stream_), "upload");
+    check(cudaEventRecord(stage_ev_[b], stream_), "upload");
+  }
+  check(cudaStreamSynchronize(stream_), "upload");
+}
+
+void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
+  set_device();
+  no_capture("download");
+  char* dst = static_cast<char*>(host_dst);
+  const char* s = static_cast<const char*>(src);
+  const size_t chunks = (bytes + kStage - 1) / kStage;
+  for (size_t i = 0; i <= chunks; ++i) {
+    if (i < chunks) {  // start chunk i
+      const size_t off = i * kStage, n = std::min(kStage, bytes - off);
+      check(cudaMemcpyAsync(stage_[i & 1], s + off, n, cudaMemcpyDeviceToHost, stream_), "download");
+      check(cudaEventRecord(stage_ev_[i & 1], stream_), "download");
+    }
+    if (i > 0) {  // finish chunk i - 1
+      const size_t j = i - 1, off = j * kStage, n = std::min(kStage, bytes - off);
+      check(cudaEventSynchronize(stage_ev_[j & 1]), "download");
+      std::memcpy(dst + off, stage_[j & 1], n);
+    }
+  }
+}
+
+void CudaBackend::fill_zero(void* p, size_t bytes) {
+  set_device();
+  if (bytes) check(cudaMemsetAsync(p, 0, bytes, stream_), "fill_zero");
+}
+
+void CudaBackend::synchronize() {
+  set_device();
+  check(cudaStreamSynchronize(stream_), "synchronize");
+}
+
+void CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
+  set_device();
+  check(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
+}
+
+void CudaBackend::fill_random(Tensor& t, uint64_t seed, float scale, float offset) {
+  set_device();
+  launch_fill_random(t, seed, scale, offset, stream_);
+}
+
+void CudaBackend::convert(const Tensor& src, Tensor& dst) {
+  set_device();
+  launch_convert(src, dst, stream_);
+}
+
+void CudaBackend::embedding(const int32_t* ids, const Tensor& table, Tensor& out) {
+  set_device();
+  launch_embedding(ids, table, out, stream_);
+}
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) {
+  set_device();
+  launch_rms_norm(nullptr, x, w, eps, zc, nullptr, out, stream_);
+}
+
+void CudaBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, bool zc,
+                               Tensor& out) {
+  set_device();
+  launch_rms_norm(&residual, x, w, eps, zc, &residual, out, stream_);
+}
+
+void CudaBackend::head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc) {
+  set_device();
+  launch_head_rms_norm(x, head_dim, w, eps, zc, stream_);
+}
+
+void CudaBackend::rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) {
+  set_device();
+  launch_rope(x, head_dim, positions, table, stream_);
+}
+
+void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out) {
+  set_device();
+  const Tensor& w = lw.w;
+  QRT_CHECK(lw.scale.empty() && w.dtype != DType::F8E4M3,
+            "cuda linear: FP8 weights are not supported by the CUDA backend yet");
+  QRT_CHECK(x.dtype == DType::F32 || x.dtype == DType::F16 || x.dtype == DType::BF16,
+            "cuda linear: unsupported activation dtype ", dtype_name(x.dtype));
+  QRT_CHECK(out.dtype == x.dtype, "cuda linear: out dtype ", dtype_name(out.dtype), " differs from x ",
+            dtype_name(x.dtype));
+  QRT_CHECK(x.cols == w.cols && out.cols == w.rows && out.rows == x.rows, "cuda linear: shapes x [", x.rows, ",",
+            x.cols, "] w [", w.rows, ",", w.cols, "] out [", out.rows, ",", out.cols, "]");
+  if (bias) QRT_CHECK(bias->cols >= w.rows, "cuda linear: bias has ", bias->cols, " columns for ", w.rows, " outputs");
+  const int64_t M = x.rows, N = w.rows, K = w.cols;
+  if (M == 0 || N == 0) return;
+  const DType t = x.dtype;
+  const int64_t es = int64_t(dtype_size(t));
+  const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
+  if (w.dtype == t) {
+    if (!gemm_.run(t, M, N, K, x.data, x.stride, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
+                   bias ? bias->dtype : t, stream_))
+      launch_add_bias(out, *bias, stream_);
+    return;
+  }
+  // Weights of another dtype: convert row blocks into scratch, one GEMM per block.
+  int64_t rows_per = std::max<int64_t>(64, (int64_t(64) << 20) / std::max<int64_t>(1, K * es) / 64 * 64);
+  rows_per = std::min(rows_per, N);
+  void* buf = scratch(w_conv_, size_t(rows_per * K * es), "linear weight conversion");
+  for (int64_t n0 = 0; n0 < N; n0 += rows_per) {
+    const int64_t nc = std::min(rows_per, N - n0);
+    Tensor src = w.row_slice(n0, nc);
+    Tensor dst(buf, t, nc, K);
+    launch_convert(src, dst, stream_);
+    Tensor o = out.col_slice(n0, nc);
+    const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
+    if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_)) {
+      Tensor bs(const_cast<void*>(bp), bias->dtype, 1, nc);
+      launch_add_bias(o, bs, stream_);
+    }
+  }
+}
+
+void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
+  set_device();
+  launch_silu_mul(gate_up, out, stream_);
+}
+
+void CudaBackend::write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b, KvLayer& cache) {
+  set_device();
+  QRT_CHECK(k.rows == v.rows && k.cols == v.cols, "cuda write_kv: k and v differ in shape");
+  QRT_CHECK(k.rows <= b.num_tokens || b.num_tokens == 0, "cuda write_kv: ", k.rows, " rows for ", b.num_tokens,
+            " tokens");
+  launch_copy_rows(k.data, k.dtype, k.stride, nullptr, cache.k, cache.dtype, k.cols, b.kv_rows, k.rows, k.cols,
+                   stream_);
+  launch_copy_rows(v.data, v.dtype, v.stride, nullptr, cache.v, cache.dtype, v.cols, b.kv_rows, v.rows, v.cols,
+                   stream_);
+}
+
+void CudaBackend::attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                            Tensor& out) {
+  set_device();
+  AttnWorkspace ws;
+  ws.bytes = attn_workspace_bytes(b, sh, num_sms_);
+  if (ws.bytes) ws.partial = static_cast<float*>(scratch(attn_ws_, ws.bytes, "attention workspace"));
+  launch_attention(q, cache, b, sh, out, ws, num_sms_, stream_);
+}
+
+void CudaBackend::gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) {
+  set_device();
+  QRT_CHECK(x.cols == out.cols, "cuda gather_rows: column mismatch");
+  launch_copy_rows(x.data, x.dtype, x.stride, rows, out.data, out.dtype, out.stride, nullptr, out.rows, out.cols,
+                   stream_);
+}
+
+void CudaBackend::add(Tensor& x, const Tensor& y) {
+  set_device();
+  launch_add(x, y, stream_);
+}
+
+void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) {
+  set_device();
+  no_capture("sample");
+  QRT_CHECK(logits.dtype == DType::F32, "cuda sample: logits must be float32");
+  const int64_t R = logits.rows, V = logits.cols;
+  QRT_CHECK(int64_t(rows.size()) == R, "cuda sample: ", rows.size(), " parameter rows for ", R, " logit rows");
+  int max_n = 0;
+  for (auto& r : rows) max_n = std::max(max_n, r.num_logprobs);
+  out.max_n = max_n;
+  out.tokens.assign(R, 0);
+  out.logprobs.assign(R, 0.f);
+  out.top_ids.assign(R * max_n, -1);
+  out.top_logprobs.assign(R * max_n, 0.f);
+  if (R == 0) return;
+  QRT_CHECK(V > 0 && V < (int64_t(1) << 31), "cuda sample: bad vocabulary size ", V);
+
+  std::vector<SampleParamsDev> prm(R);
+  std::vector<int32_t> lists;
+  bool any_copy = false;
+  for (int64_t i = 0; i < R; ++i) {
+    const SampleRow& r = rows[i];
+    QRT_CHECK(r.output_counts.size() == r.output_tokens.size(), "cuda sample: output_counts and output_tokens differ");
+    SampleParamsDev& p = prm[i];
+    p.inv_temperature = r.temperature == 0.0f ? 0.0f : 1.0f / r.temperature;
+    p.top_p = r.top_p;
+    p.min_p = r.min_p;
+    p.repetition_penalty = r.repetition_penalty;
+    p.presence_penalty = r.presence_penalty;
+    p.frequency_penalty = r.frequency_penalty;
+    p.top_k = r.top_k;
+    p.num_logprobs = int(std::min<int64_t>(r.num_logprobs, V));
+    p.seed = r.seed;
+    p.draw = r.draw;
+    p.banned_off = int(lists.size());
+    p.banned_n = int(r.banned_tokens.size());
+    lists.insert(lists.end(), r.banned_tokens.begin(), r.banned_tokens.end());
+    const bool rep = r.repetition_penalty != 1.0f;
+    p.seen_off = int(lists.size());
+    p.seen_n = rep ? int(r.seen_tokens.size()) : 0;
+    if (rep) lists.insert(lists.end(), r.seen_tokens.begin(), r.seen_tokens.end());
+    const bool pf = r.presence_penalty != 0.0f || r.frequency_penalty != 0.0f;
+    p.out_off = int(lists.size());
+    p.out_n = pf ? int(r.output_tokens.size()) : 0;
+    if (pf) {
+      lists.insert(lists.end(), r.output_tokens.begin(), r.output_tokens.end());
+      lists.insert(lists.end(), r.output_counts.begin(), r.output_counts.end());
+    }
+    p.needs_copy = (p.banned_n || p.seen_n || p.out_n || r.temperature != 0.0f) ? 1 : 0;
+    any_copy = any_copy || p.needs_copy;
+  }
+  auto round16 = [](size_t n) { return (n + 15) / 16 * 16; };
+  const size_t prm_bytes = round16(prm.size() * sizeof(SampleParamsDev));
+  const size_t in_bytes = prm_bytes + round16(std::max<size_t>(lists.size(), 1) * 4);
+  const size_t nn = size_t(R) * size_t(max_n);
+  const size_t out_bytes = round16(size_t(R) * 4) * 2 + round16(nn * 4) * 2;
+  char* io = static_cast<char*>(pinned_io(in_bytes + out_bytes));
+  std::memcpy(io, prm.data(), prm.size() * sizeof(SampleParamsDev));
+  if (!lists.empty()) std::memcpy(io + prm_bytes, lists.data(), lists.size() * 4);
+  char* din = static_cast<char*>(scratch(sample_in_, in_bytes, "sample"));
+  char* dout = static_cast<char*>(scratch(sample_out_, out_bytes, "sample"));
+  float* x = any_copy ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
+  check(cudaMemcpyAsync(din, io, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");
+  const size_t o_tok = 0, o_lp = round16(size_t(R) * 4), o_ids = 2 * o_lp, o_tlp = o_ids + round16(nn * 4);
+  launch_sample(logits.ptr<float>(), R, V, logits.stride, reinterpret_cast<const SampleParamsDev*>(din),
+                reinterpret_cast<const int32_t*>(din + prm_bytes), x, max_n, reinterpret_cast<int32_t*>(dout + o_tok),
+                reinterpret_cast<float*>(dout + o_lp), reinterpret_cast<int32_t*>(dout + o_ids),
+                reinterpret_cast<float*>(dout + o_tlp), stream_);
+  char* hout = io + in_bytes;
+  check(cudaMemcpyAsync(hout, dout, out_bytes, cudaMemcpyDeviceToHost, stream_), "sample download");
+  check(cudaStreamSynchronize(stream_), "sample");
+  std::memcpy(out.tokens.data(), hout + o_tok, size_t(R) * 4);
+  std::memcpy(out.logprobs.data(), hout + o_lp, size_t(R) * 4);
+  if (nn) {
+    std::memcpy(out.top_ids.data(), hout + o_ids, nn * 4);
+    std::memcpy(out.top_logprobs.data(), hout + o_tlp, nn * 4);
+  }
+}
+
+void CudaBackend::begin_capture() {
+  set_device();
+  no_capture("begin_capture");
+  check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "cudaStreamBeginCapture");
+  capturing_ = true;
+}
+
+int CudaBackend::end_capture() {
+  set_device();
+  QRT_CHECK(capturing_, "cuda end_capture: no capture in progress");
+  capturing_ = false;
+  cudaGraph_t g = nullptr;
+  check(cudaStreamEndCapture(stream_, &g), "cudaStreamEndCapture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  check(e, "cudaGraphInstantiate");
+  graphs_.push_back(exec);
+  return int(graphs_.size()) - 1;
+}
+
+void CudaBackend::replay(int graph) {
+  set_device();
+  QRT_CHECK(graph >= 0 && graph < int(graphs_.size()), "cuda replay: no graph ", graph);
+  check(cudaGraphLaunch(graphs_[graph], stream_), "cudaGraphLaunch");
+}
+
+}  // namespace qrt::cuda
+
+// ---- plugin entry points ------------------------------------------------------------------------
+namespace {
+void write_err(char* err, size_t len, const char* msg) {
+  if (err && len) std::snprintf(err, len, "%s", msg);
+}
+}  // namespace
+
+#pragma GCC visibility push(default)
+#include "backend/cuda/plugin.h"
+
+extern "C" int qrt_cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+extern "C" qrt::Backend* qrt_cuda_make_backend(int device, int act_dtype, char* err, size_t err_len) {
+  try {
+    const int n = qrt_cuda_device_count();
+    if (device < 0 || device >= n) {
+      write_err(err, err_len, qrt::str_cat("cuda:", device, " does not exist (", n, " devices)").c_str());
+      return nullptr;
+    }
+    const qrt::DType t = qrt::DType(act_dtype);
+    if (t != qrt::DType::F32 && t != qrt::DType::F16 && t != qrt::DType::BF16) {
+      write_err(err, err_len, qrt::str_cat("cuda: unsupported activation dtype code ", act_dtype).c_str());
+      return nullptr;
+    }
+    return new qrt::cuda::CudaBackend(device, t);
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+  } catch (...) {
+    write_err(err, err_len, "cuda: unknown error creating the backend");
+  }
+  return nullptr;
+}
+#pragma GCC visibility pop

@@ -1,0 +1,83 @@
+// CudaBackend: the Backend of one CUDA device (stream-ordered ops on its own compute stream).
+// Internal to cpp/backend/cuda/; the engine reaches it only through plugin.h.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/gemm.cuh"
+#include "backend/ops.h"
+
+namespace qrt::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, DType act_dtype);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda:" + std::to_string(dev_); }
+  DType act_dtype() const override { return act_; }
+  int device() const { return dev_; }
+  cudaStream_t stream() const { return stream_; }
+  void set_device() const;
+
+  void* alloc(size_t bytes) override;
+  void release(void* p) override;
+  void upload(void* dst, const void* host_src, size_t bytes) override;
+  void download(void* host_dst, const void* src, size_t bytes) override;
+  void fill_zero(void* p, size_t bytes) override;
+  void synchronize() override;
+  void memory_info(size_t* free_bytes, size_t* total_bytes) override;
+
+  void fill_random(Tensor& t, uint64_t seed, float scale, float offset) override;
+  void convert(const Tensor& src, Tensor& dst) override;
+  void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zero_centred, Tensor& out) override;
+  void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, bool zero_centred,
+                    Tensor& out) override;
+  void head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zero_centred) override;
+  void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) override;
+  void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override;
+  void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) override;
+  void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
+                 Tensor& out) override;
+  void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override;
+  void add(Tensor& x, const Tensor& y) override;
+  void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) override;
+
+  bool supports_graphs() const override { return true; }
+  void begin_capture() override;
+  int end_capture() override;
+  void replay(int graph) override;
+
+ private:
+  // Device scratch that only grows. A buffer replaced while graphs may refer to it is kept until
+  // destruction (captured graphs hold its address).
+  struct Scratch {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  void* scratch(Scratch& s, size_t bytes, const char* what);
+  void* pinned_io(size_t bytes);
+  void no_capture(const char* op) const;
+  void cleanup() noexcept;
+
+  int dev_;
+  DType act_;
+  int num_sms_ = 0;
+  cudaStream_t stream_ = nullptr;
+  LtGemm gemm_;
+  static constexpr size_t kStage = size_t(8) << 20;  // bytes of each of the two pinned staging buffers
+  void* stage_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
+  void* io_ = nullptr;  // pinned, for sampling parameters and results
+  size_t io_bytes_ = 0;
+  Scratch w_conv_, attn_ws_, sample_in_, sample_x_, sample_out_;
+  std::vector<void*> retired_;
+  std::vector<cudaGraphExec_t> graphs_;
+  bool capturing_ = false;
+};
+
+}  // namespace qrt::cuda

@@ -1,0 +1,119 @@
+// Shared helpers of the CUDA backend: error checks, element conversions, launch declarations.
+// Internal to cpp/backend/cuda/.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "backend/ops.h"
+#include "core/error.h"
+
+namespace qrt::cuda {
+
+inline void check(cudaError_t e, const char* op) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error
+    throw std::runtime_error(str_cat("cuda ", op, ": ", cudaGetErrorString(e)));
+  }
+}
+// After a kernel launch.
+inline void check_launch(const char* op) { check(cudaGetLastError(), op); }
+
+inline unsigned ceil_div(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+
+// ---- element conversions ---------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Element i of a float tensor of run-time dtype (F32, F16, BF16, F8E4M3).
+__device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::F32: return static_cast<const float*>(p)[i];
+    case DType::F16: return __half2float(static_cast<const __half*>(p)[i]);
+    case DType::BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::F8E4M3: {
+      __nv_fp8_e4m3 v;
+      v.__x = static_cast<const __nv_fp8_storage_t*>(p)[i];
+      return float(v);
+    }
+    default: return 0.f;
+  }
+}
+__device__ __forceinline__ void store_any(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::F32: static_cast<float*>(p)[i] = v; break;
+    case DType::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    case DType::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case DType::F8E4M3: static_cast<__nv_fp8_e4m3*>(p)[i] = __nv_fp8_e4m3(v); break;
+    default: break;
+  }
+}
+
+inline bool is_float_dtype(DType t) {
+  return t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::F8E4M3;
+}
+
+// Calls f(T{}) with T the C++ type of an activation dtype (F32, F16, BF16).
+template <typename F>
+void dispatch_act(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::F16: f(__half{}); break;
+    case DType::BF16: f(__nv_bfloat16{}); break;
+    default: throw std::runtime_error(str_cat("cuda ", op, ": unsupported activation dtype ", dtype_name(t)));
+  }
+}
+
+// ---- kernels' host launchers (all stream-ordered, no synchronization) ------------------------
+void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, cudaStream_t s);
+void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s);
+void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s);
+void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w, float eps, bool zc,
+                     Tensor* residual, Tensor& out, cudaStream_t s);
+void launch_head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc, cudaStream_t s);
+void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& tab, cudaStream_t s);
+void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
+void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);
+void launch_add_bias(Tensor& out, const Tensor& bias, cudaStream_t s);
+// Row copies: dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n,
+// row_elems elements each; src/dst dtypes may differ (converted).
+void launch_copy_rows(const void* src, DType st, int64_t src_stride, const int32_t* src_rows, void* dst,
+                      DType dt, int64_t dst_stride, const int32_t* dst_rows, int64_t n, int64_t row_elems,
+                      cudaStream_t s);
+
+// Attention (attention.cu). Workspace comes from the caller (grown as needed by attn_workspace_bytes).
+struct AttnWorkspace {
+  float* partial = nullptr;  // split partial outputs
+  size_t bytes = 0;
+};
+size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms);
+void launch_attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                      Tensor& out, const AttnWorkspace& ws, int num_sms, cudaStream_t s);
+
+// Sampling (sampling.cu).
+struct SampleParamsDev {  // one row's parameters, as the kernel reads them
+  float inv_temperature;  // 0: greedy
+  float top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
+  int top_k, num_logprobs;
+  uint64_t seed;
+  int64_t draw;
+  int banned_off, banned_n, seen_off, seen_n, out_off, out_n;  // into the int list (out: tokens then counts)
+  int needs_copy;
+};
+void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const SampleParamsDev* params,
+                   const int32_t* lists, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
+                   int32_t* top_ids, float* top_lps, cudaStream_t s);
+
+}  // namespace qrt::cuda

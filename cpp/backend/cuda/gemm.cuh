@@ -1,0 +1,44 @@
+// cuBLASLt GEMM for linear(): out[M,N] = x[M,K] @ w[N,K]^T (+ bias), fp32 accumulation.
+// Internal to cpp/backend/cuda/.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "core/dtype.h"
+
+namespace qrt::cuda {
+
+class LtGemm {
+ public:
+  LtGemm() = default;
+  ~LtGemm();
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+  void init(size_t workspace_bytes);  // on the current device
+  // All three matrices of dtype t (F32: plain fp32 SGEMM, no TF32). bias: [N] of dtype bias_t, or null.
+  // Returns false when bias was requested but no epilogue algorithm exists (the caller adds it).
+  bool run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,
+           void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s);
+
+ private:
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int>;
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    bool ok = false;
+  };
+  Plan& plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
+             int al_x, int al_w, int al_o, int bias_t);
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t ws_bytes_ = 0;
+  std::map<Key, Plan> plans_;
+};
+
+}  // namespace qrt::cuda

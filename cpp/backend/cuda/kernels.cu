@@ -1,0 +1,319 @@
+// Elementwise and row-wise kernels of the CUDA backend: fp32 math, any float storage dtype.
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/random.h"
+
+namespace qrt::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned threads_for(int64_t cols) {
+  if (cols >= 1024) return 256;
+  if (cols >= 256) return 128;
+  return 64;
+}
+
+// ---- fill_random / convert --------------------------------------------------------------------
+__global__ void fill_random_kernel(void* p, DType t, int64_t cols, int64_t stride, uint64_t seed, float scale,
+                                   float offset) {
+  const int64_t r = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float u = uniform01(seed, uint64_t(r), uint64_t(c));
+    // The CPU reference (gcc, -O3 -march=native) contracts this expression into two FMAs.
+    const float v = __fmaf_rn(scale, __fmaf_rn(2.0f, u, -1.0f), offset);
+    store_any(p, t, r * stride + c, v);
+  }
+}
+
+__global__ void convert_kernel(const void* src, DType st, int64_t ss, void* dst, DType dt, int64_t ds, int64_t cols) {
+  const int64_t r = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store_any(dst, dt, r * ds + c, load_any(src, st, r * ss + c));
+}
+
+__global__ void embedding_kernel(const int32_t* ids, const void* table, DType tt, int64_t ts, int64_t trows,
+                                 void* out, DType ot, int64_t os, int64_t cols) {
+  const int64_t r = blockIdx.x;
+  const int64_t id = ids[r];
+  const bool ok = id >= 0 && id < trows;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    store_any(out, ot, r * os + c, ok ? load_any(table, tt, id * ts + c) : 0.f);
+}
+
+// ---- reductions -------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ float block_sum(float v) {
+  __shared__ float red[32];
+  __shared__ float total;
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < int(blockDim.x >> 5) ? red[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// out = rmsnorm(residual_in + x  or  x) * w'; residual (if given) receives residual_in + x in T.
+template <typename T>
+__global__ void rms_norm_kernel(const T* res_in, int64_t rs_in, const T* x, int64_t xs, const void* w, DType wt,
+                                float eps, bool zc, T* res_out, int64_t rs_out, T* out, int64_t os, int64_t n) {
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * xs;
+  float ss = 0.f;
+  if (res_in) {
+    const T* ri = res_in + r * rs_in;
+    T* ro = res_out + r * rs_out;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const T sum = from_f<T>(to_f(ri[i]) + to_f(xr[i]));
+      ro[i] = sum;
+      const float v = to_f(sum);
+      ss += v * v;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const float v = to_f(xr[i]);
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(n) + eps);
+  const T* src = res_in ? res_out + r * rs_out : xr;  // each thread re-reads only what it wrote
+  T* o = out + r * os;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float wi = load_any(w, wt, i);
+    o[i] = from_f<T>(to_f(src[i]) * inv * (zc ? 1.0f + wi : wi));
+  }
+}
+
+// One warp per (row, head), in place.
+template <typename T>
+__global__ void head_rms_norm_kernel(T* x, int64_t xs, int64_t rows, int heads, int hd, const void* w, DType wt,
+                                     float eps, bool zc) {
+  const int64_t task = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (task >= rows * heads) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = task / heads;
+  const int h = int(task % heads);
+  T* p = x + r * xs + int64_t(h) * hd;
+  float ss = 0.f;
+  for (int i = lane; i < hd; i += 32) {
+    const float v = to_f(p[i]);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(hd) + eps);
+  for (int i = lane; i < hd; i += 32) {
+    const float wi = load_any(w, wt, i);
+    p[i] = from_f<T>(to_f(p[i]) * inv * (zc ? 1.0f + wi : wi));
+  }
+}
+
+template <typename T>
+__global__ void rope_kernel(T* x, int64_t xs, int heads, int hd, const int32_t* positions, const float* cs_tab,
+                            int rot_dim, int max_pos) {
+  const int64_t r = blockIdx.x;
+  const int pos = positions[r];
+  if (pos < 0 || pos >= max_pos) return;
+  const int half = rot_dim / 2;
+  const float* cs = cs_tab + int64_t(pos) * rot_dim;
+  T* row = x + r * xs;
+  for (int j = threadIdx.x; j < heads * half; j += blockDim.x) {
+    const int h = j / half, i = j - h * half;
+    T* p = row + int64_t(h) * hd;
+    const float a = to_f(p[i]), b = to_f(p[i + half]), c = cs[i], s = cs[half + i];
+    p[i] = from_f<T>(a * c - b * s);
+    p[i + half] = from_f<T>(b * c + a * s);
+  }
+}
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* gu, int64_t gs, T* out, int64_t os, int64_t I) {
+  const int64_t r = blockIdx.x;
+  const T* g = gu + r * gs;
+  T* o = out + r * os;
+  for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
+    const float a = to_f(g[i]), b = to_f(g[I + i]);
+    o[i] = from_f<T>(a / (1.0f + expf(-a)) * b);
+  }
+}
+
+template <typename T>
+__global__ void add_kernel(T* x, int64_t xs, const T* y, int64_t ys, int64_t cols) {
+  const int64_t r = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) x[r * xs + c] = from_f<T>(to_f(x[r * xs + c]) + to_f(y[r * ys + c]));
+}
+
+__global__ void add_bias_kernel(void* out, DType ot, int64_t os, const void* bias, DType bt, int64_t cols) {
+  const int64_t r = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    store_any(out, ot, r * os + c, load_any(out, ot, r * os + c) + load_any(bias, bt, c));
+}
+
+// Same-dtype row copy in units of U (16, 8, 4 or 2 bytes); strides and widths in units.
+template <typename U>
+__global__ void copy_rows_kernel(const U* src, int64_t ss, const int32_t* src_rows, U* dst, int64_t ds,
+                                 const int32_t* dst_rows, int64_t units) {
+  const int64_t i = blockIdx.x;
+  const int64_t sr = src_rows ? src_rows[i] : i;
+  const int64_t dr = dst_rows ? dst_rows[i] : i;
+  if (sr < 0 || dr < 0) return;
+  const U* s = src + sr * ss;
+  U* d = dst + dr * ds;
+  for (int64_t c = threadIdx.x; c < units; c += blockDim.x) d[c] = s[c];
+}
+
+__global__ void convert_rows_kernel(const void* src, DType st, int64_t ss, const int32_t* src_rows, void* dst,
+                                    DType dt, int64_t ds, const int32_t* dst_rows, int64_t cols) {
+  const int64_t i = blockIdx.x;
+  const int64_t sr = src_rows ? src_rows[i] : i;
+  const int64_t dr = dst_rows ? dst_rows[i] : i;
+  if (sr < 0 || dr < 0) return;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store_any(dst, dt, dr * ds + c, load_any(src, st, sr * ss + c));
+}
+
+void check_act(const Tensor& t, const char* op) {
+  QRT_CHECK(t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16, "cuda ", op,
+            ": unsupported activation dtype ", dtype_name(t.dtype));
+}
+
+}  // namespace
+
+void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, cudaStream_t s) {
+  QRT_CHECK(is_float_dtype(t.dtype), "cuda fill_random: not a float tensor (", dtype_name(t.dtype), ")");
+  if (t.rows == 0 || t.cols == 0) return;
+  fill_random_kernel<<<unsigned(t.rows), threads_for(t.cols), 0, s>>>(t.data, t.dtype, t.cols, t.stride, seed, scale,
+                                                                        offset);
+  check_launch("fill_random");
+}
+
+void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s) {
+  QRT_CHECK(src.rows == dst.rows && src.cols == dst.cols, "cuda convert: shape mismatch");
+  QRT_CHECK(is_float_dtype(src.dtype) && is_float_dtype(dst.dtype), "cuda convert: not float tensors");
+  if (src.rows == 0 || src.cols == 0) return;
+  convert_kernel<<<unsigned(src.rows), threads_for(src.cols), 0, s>>>(src.data, src.dtype, src.stride, dst.data,
+                                                                       dst.dtype, dst.stride, src.cols);
+  check_launch("convert");
+}
+
+void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s) {
+  QRT_CHECK(table.cols == out.cols, "cuda embedding: table has ", table.cols, " columns, out ", out.cols);
+  if (out.rows == 0) return;
+  embedding_kernel<<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(ids, table.data, table.dtype, table.stride,
+                                                                         table.rows, out.data, out.dtype, out.stride,
+                                                                         out.cols);
+  check_launch("embedding");
+}
+
+void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w, float eps, bool zc,
+                     Tensor* residual, Tensor& out, cudaStream_t s) {
+  check_act(x, "rms_norm");
+  QRT_CHECK(out.dtype == x.dtype && out.rows == x.rows && out.cols == x.cols, "cuda rms_norm: out shape/dtype");
+  QRT_CHECK(w.cols >= x.cols, "cuda rms_norm: weight has ", w.cols, " columns for rows of ", x.cols);
+  if (residual) QRT_CHECK(residual->dtype == x.dtype && residual->rows == x.rows && residual->cols == x.cols,
+                          "cuda add_rms_norm: residual shape/dtype");
+  if (x.rows == 0) return;
+  dispatch_act(x.dtype, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_kernel<T><<<unsigned(x.rows), kThreads, 0, s>>>(
+        residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(), x.stride,
+        w.data, w.dtype, eps, zc, residual ? residual->ptr<T>() : nullptr, residual ? residual->stride : 0,
+        out.ptr<T>(), out.stride, x.cols);
+  });
+  check_launch(residual ? "add_rms_norm" : "rms_norm");
+}
+
+void launch_head_rms_norm(Tensor& x, int hd, const Tensor& w, float eps, bool zc, cudaStream_t s) {
+  check_act(x, "head_rms_norm");
+  QRT_CHECK(hd > 0 && x.cols % hd == 0, "cuda head_rms_norm: ", x.cols, " columns are not heads of ", hd);
+  const int heads = int(x.cols / hd);
+  const int64_t tasks = x.rows * heads;
+  if (tasks == 0) return;
+  dispatch_act(x.dtype, "head_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    head_rms_norm_kernel<T><<<ceil_div(tasks, 8), 256, 0, s>>>(x.ptr<T>(), x.stride, x.rows, heads, hd, w.data,
+                                                                w.dtype, eps, zc);
+  });
+  check_launch("head_rms_norm");
+}
+
+void launch_rope(Tensor& x, int hd, const int32_t* positions, const RopeTable& tab, cudaStream_t s) {
+  check_act(x, "rope");
+  QRT_CHECK(hd > 0 && x.cols % hd == 0, "cuda rope: ", x.cols, " columns are not heads of ", hd);
+  QRT_CHECK(tab.rot_dim > 0 && tab.rot_dim <= hd && tab.rot_dim % 2 == 0, "cuda rope: bad rot_dim ", tab.rot_dim);
+  if (x.rows == 0) return;
+  const int heads = int(x.cols / hd);
+  dispatch_act(x.dtype, "rope", [&](auto tag) {
+    using T = decltype(tag);
+    rope_kernel<T><<<unsigned(x.rows), threads_for(int64_t(heads) * tab.rot_dim / 2), 0, s>>>(
+        x.ptr<T>(), x.stride, heads, hd, positions, tab.cos_sin, tab.rot_dim, tab.max_positions);
+  });
+  check_launch("rope");
+}
+
+void launch_silu_mul(const Tensor& gu, Tensor& out, cudaStream_t s) {
+  check_act(gu, "silu_mul");
+  QRT_CHECK(out.dtype == gu.dtype && out.rows == gu.rows && gu.cols >= 2 * out.cols, "cuda silu_mul: shapes");
+  if (out.rows == 0) return;
+  dispatch_act(gu.dtype, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_kernel<T><<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(gu.ptr<T>(), gu.stride, out.ptr<T>(),
+                                                                             out.stride, out.cols);
+  });
+  check_launch("silu_mul");
+}
+
+void launch_add(Tensor& x, const Tensor& y, cudaStream_t s) {
+  check_act(x, "add");
+  QRT_CHECK(y.dtype == x.dtype && y.rows == x.rows && y.cols == x.cols, "cuda add: shape/dtype mismatch");
+  if (x.rows == 0) return;
+  dispatch_act(x.dtype, "add", [&](auto tag) {
+    using T = decltype(tag);
+    add_kernel<T><<<unsigned(x.rows), threads_for(x.cols), 0, s>>>(x.ptr<T>(), x.stride, y.ptr<T>(), y.stride, x.cols);
+  });
+  check_launch("add");
+}
+
+void launch_add_bias(Tensor& out, const Tensor& bias, cudaStream_t s) {
+  if (out.rows == 0) return;
+  add_bias_kernel<<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(out.data, out.dtype, out.stride, bias.data,
+                                                                        bias.dtype, out.cols);
+  check_launch("linear bias");
+}
+
+void launch_copy_rows(const void* src, DType st, int64_t src_stride, const int32_t* src_rows, void* dst, DType dt,
+                      int64_t dst_stride, const int32_t* dst_rows, int64_t n, int64_t row_elems, cudaStream_t s) {
+  if (n == 0 || row_elems == 0) return;
+  if (st != dt) {
+    convert_rows_kernel<<<unsigned(n), threads_for(row_elems), 0, s>>>(src, st, src_stride, src_rows, dst, dt,
+                                                                       dst_stride, dst_rows, row_elems);
+    check_launch("copy_rows");
+    return;
+  }
+  const int64_t es = int64_t(dtype_size(st));
+  const uint64_t mix = uint64_t(reinterpret_cast<uintptr_t>(src)) | uint64_t(reinterpret_cast<uintptr_t>(dst)) |
+                       uint64_t(row_elems * es) | uint64_t(src_stride * es) | uint64_t(dst_stride * es);
+  auto go = [&](auto unit) {
+    using U = decltype(unit);
+    const int64_t k = int64_t(sizeof(U));
+    copy_rows_kernel<U><<<unsigned(n), threads_for(row_elems * es / k), 0, s>>>(
+        static_cast<const U*>(src), src_stride * es / k, src_rows, static_cast<U*>(dst), dst_stride * es / k,
+        dst_rows, row_elems * es / k);
+  };
+  if (mix % 16 == 0) go(uint4{});
+  else if (mix % 8 == 0) go(uint2{});
+  else if (mix % 4 == 0) go(uint32_t{});
+  else if (mix % 2 == 0) go(uint16_t{});
+  else go(uint8_t{});
+  check_launch("copy_rows");
+}
+
+}  // namespace qrt::cuda

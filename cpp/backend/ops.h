@@ -1,0 +1,170 @@
+// Backend: every op of the forward pass and of sampling, one declaration each.
+// Implementations: cpu/ (the reference, fp32 compute) and cuda/ (bf16/fp16/fp32, stream-ordered).
+//
+// Contracts shared by all ops:
+// - Pointers and Tensor views refer to the backend's own memory (host for CPU, device for CUDA),
+//   except where a parameter says "host".
+// - Ops are ordered on the backend's compute stream; nothing waits unless the op says so.
+// - Activations have the backend's activation dtype (CPU: F32); weights may be F32, F16 or BF16
+//   (F8E4M3 with block scales where Linear::scale is set) and are converted inside the op.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace qrt {
+
+// A weight matrix [out, in] (row-major, as stored by transformers) for y = x @ w^T.
+struct Linear {
+  Tensor w;
+  Tensor scale;  // FP8 only: [ceil(out/128), ceil(in/128)] fp32 multipliers; empty otherwise
+};
+
+// RoPE: the table holds, for each position p, rot_dim/2 cosines then rot_dim/2 sines (fp32),
+// already multiplied by the attention factor of yarn. Rotation is rotate-half (non-interleaved)
+// over the first rot_dim elements of each head; the rest pass through (partial rotary).
+struct RopeTable {
+  const float* cos_sin = nullptr;  // [max_positions, rot_dim]
+  int rot_dim = 0;
+  int max_positions = 0;
+};
+
+// K/V storage of one attention layer: rows are cache slots (page * page_size + offset),
+// columns kv_heads * head_dim, both K and V in the KV dtype.
+struct KvLayer {
+  void* k = nullptr;
+  void* v = nullptr;
+  DType dtype = DType::F32;
+};
+
+// A ragged batch as attention sees it. Sequence s owns query rows [q_start[s], q_start[s+1]);
+// after this step its cache holds ctx_len[s] tokens, the last q_len of which are this step's.
+// Query row i of s sits at position ctx_len[s] - q_len + i and attends to cache positions [0, that].
+struct AttnBatch {
+  int num_seqs = 0;
+  int num_tokens = 0;
+  const int32_t* q_start = nullptr;     // [num_seqs + 1]
+  const int32_t* ctx_len = nullptr;     // [num_seqs]
+  const int32_t* page_table = nullptr;  // [num_seqs, max_pages] page ids
+  const int32_t* kv_rows = nullptr;     // [num_tokens] cache row where each new token's K/V goes
+  int max_pages = 0;
+  int page_size = 0;
+  int max_q_len = 0;    // host-side maxima, for launch shapes
+  int max_ctx_len = 0;
+};
+
+struct AttnShape {
+  int q_heads = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  float scale = 1.0f;  // softmax scale, usually 1/sqrt(head_dim)
+};
+
+// Sampling parameters of one row (one sequence) of a logits matrix. Host memory.
+struct SampleRow {
+  float temperature = 1.0f;  // 0: greedy (argmax)
+  int top_k = 0;             // 0: off
+  float top_p = 1.0f;        // 1: off
+  float min_p = 0.0f;        // 0: off
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  uint64_t seed = 0;
+  int64_t draw = 0;          // index of this token among the request's generated tokens
+  int num_logprobs = 0;      // top-N logprobs to return (0: none)
+  // Token history for penalties: repetition uses prompt + output, presence/frequency output only.
+  std::vector<int32_t> seen_tokens;     // distinct tokens of prompt + output
+  std::vector<int32_t> output_tokens;   // distinct tokens of output
+  std::vector<int32_t> output_counts;   // occurrences of each output_tokens entry
+  std::vector<int32_t> banned_tokens;   // logits forced to -inf (e.g. eos before min_tokens)
+};
+
+struct SampleResult {
+  std::vector<int32_t> tokens;          // [rows]
+  std::vector<float> logprobs;          // [rows] logprob of the chosen token (raw logits)
+  std::vector<int32_t> top_ids;         // [rows * max_n] top-N by raw logprob, best first
+  std::vector<float> top_logprobs;      // [rows * max_n]
+  int max_n = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;   // "cpu" or "cuda:N"
+  virtual DType act_dtype() const = 0;    // dtype of activations and of the KV cache
+
+  // Memory. alloc throws std::runtime_error naming the size when memory runs out.
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;    // waits until copied
+  virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
+  virtual void fill_zero(void* p, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+  // Free and total memory of the device, for sizing the KV pool.
+  virtual void memory_info(size_t* free_bytes, size_t* total_bytes) = 0;
+
+  // Fills t with deterministic pseudo-random values: uniform in [-scale, scale] (+ offset).
+  virtual void fill_random(Tensor& t, uint64_t seed, float scale, float offset) = 0;
+  // Converts src into dst (same shape, any float dtypes).
+  virtual void convert(const Tensor& src, Tensor& dst) = 0;
+
+  // out[i] = table[ids[i]] converted to out's dtype. ids: n rows.
+  virtual void embedding(const int32_t* ids, const Tensor& table, Tensor& out) = 0;
+  // out = rmsnorm(x) * (zero_centred ? 1 + w : w).
+  virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zero_centred, Tensor& out) = 0;
+  // residual += x; out = rmsnorm(residual) * w. (Fused residual add.)
+  virtual void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps,
+                            bool zero_centred, Tensor& out) = 0;
+  // In place: each head_dim group of every row of x is RMS-normalized with w [1, head_dim].
+  virtual void head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zero_centred) = 0;
+  // In place rotary embedding of every head of x (cols = heads * head_dim) at positions[row].
+  virtual void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) = 0;
+  // out = x @ w^T (+ bias [1, out]) ; out may be a strided view.
+  virtual void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) = 0;
+  // out = silu(gate) * up, where gate = gate_up[:, :I] and up = gate_up[:, I:], I = out.cols.
+  virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // Writes this step's k and v rows (cols = kv_heads * head_dim) into the cache at batch.kv_rows.
+  virtual void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) = 0;
+  // Causal paged attention of q (cols = q_heads * head_dim) over the cache; out like q.
+  // K/V of this step must already be written.
+  virtual void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch,
+                         const AttnShape& shape, Tensor& out) = 0;
+  // out[i] = x[rows[i]].
+  virtual void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) = 0;
+  // In place: x += y (elementwise, same shape).
+  virtual void add(Tensor& x, const Tensor& y) = 0;
+  // Samples one token per row of logits ([rows, vocab], F32) with rows[i]'s parameters.
+  // Waits for the result. Random draws depend only on (seed, draw, token id), so a request's
+  // tokens do not depend on the batch it runs in.
+  virtual void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) = 0;
+
+  // Graphs (CUDA): ops issued between begin_capture and end_capture are recorded, not run;
+  // replay runs them again with the same pointers. Backends without graphs return -1.
+  virtual bool supports_graphs() const { return false; }
+  virtual void begin_capture() {}
+  virtual int end_capture() { return -1; }
+  virtual void replay(int graph) { (void)graph; }
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+// Loads the CUDA backend plugin; throws std::runtime_error with the reason if it cannot.
+// act_dtype: BF16, F16 or F32 (the exactness mode).
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act_dtype);
+// Number of CUDA devices usable by the plugin (0 when the plugin or the driver is missing).
+int cuda_device_count();
+
+}  // namespace qrt
+
+// Sampling semantics (both backends, per row):
+//  1. logprobs = log_softmax(raw logits): the chosen token's and the top num_logprobs are reported.
+//  2. x = raw; banned tokens -> -inf.
+//  3. repetition_penalty r: for t in seen_tokens, x[t] = x[t] > 0 ? x[t] / r : x[t] * r.
+//  4. for t in output_tokens with count c: x[t] -= c * frequency_penalty + presence_penalty.
+//  5. temperature == 0: token = argmax x (lowest id on ties); done.
+//  6. x /= temperature; keep the top_k largest (all with the k-th value); then, on softmax of the
+//     kept, the smallest prefix in descending order whose mass reaches top_p; then those with
+//     p >= min_p * p_max.
+//  7. token = argmax over kept of x[t] - log(-log(uniform01(seed, draw, t))) (Gumbel-max).

@@ -1,0 +1,235 @@
+// OpHarness: runs single backend ops on numpy inputs, for the op tests (CPU vs numpy, CUDA vs CPU).
+// Inputs are float32 (ids int32); activations are converted to the backend's activation dtype,
+// weights to w_dtype; outputs come back as float32.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+
+#include "backend/ops.h"
+#include "core/buffer.h"
+#include "core/error.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace qrt {
+namespace {
+
+using F32In = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+using I32In = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
+using F32Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+
+struct Dev {
+  Buffer buf;
+  Tensor t;
+};
+
+class OpHarness {
+ public:
+  OpHarness(const std::string& device, const std::string& act) {
+    const DType a = parse_dtype(act);
+    if (device == "cpu") {
+      QRT_CHECK_ARG(a == DType::F32, "the CPU backend computes in float32");
+      be_ = make_cpu_backend(0);
+    } else {
+      QRT_CHECK_ARG(device.rfind("cuda", 0) == 0, "unknown device ", device);
+      const int idx = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
+      be_ = make_cuda_backend(idx, a);
+    }
+  }
+
+  static std::pair<int64_t, int64_t> shape2(const F32In& a) {
+    if (a.ndim() == 1) return {1, int64_t(a.shape(0))};
+    QRT_CHECK_ARG(a.ndim() == 2, "expected a 1-D or 2-D array");
+    return {int64_t(a.shape(0)), int64_t(a.shape(1))};
+  }
+
+  Dev up(const F32In& a, DType dt) {
+    auto [r, c] = shape2(a);
+    Dev d{Buffer(be_.get(), size_t(r * c) * dtype_size(dt) + 16), {}};
+    d.t = d.buf.tensor(dt, r, c);
+    std::vector<char> host(size_t(r * c) * dtype_size(dt));
+    convert_host(a.data(), DType::F32, host.data(), dt, size_t(r * c));
+    be_->upload(d.t.data, host.data(), host.size());
+    return d;
+  }
+  Dev empty(int64_t r, int64_t c, DType dt) {
+    Dev d{Buffer(be_.get(), size_t(r * c) * dtype_size(dt) + 16), {}};
+    d.t = d.buf.tensor(dt, r, c);
+    return d;
+  }
+  Dev up_ids(const I32In& a) {
+    const size_t n = a.size();
+    Dev d{Buffer(be_.get(), n * 4 + 16), {}};
+    d.t = d.buf.tensor(DType::I32, 1, int64_t(n));
+    be_->upload(d.t.data, a.data(), n * 4);
+    return d;
+  }
+  F32Out down(const Tensor& t) {
+    be_->synchronize();
+    std::vector<char> host(t.nbytes());
+    be_->download(host.data(), t.data, host.size());
+    float* out = new float[size_t(t.numel())];
+    convert_host(host.data(), t.dtype, out, DType::F32, size_t(t.numel()));
+    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    return F32Out(out, {size_t(t.rows), size_t(t.cols)}, owner);
+  }
+  DType act() const { return be_->act_dtype(); }
+
+  Backend& be() { return *be_; }
+
+ private:
+  std::unique_ptr<Backend> be_;
+};
+
+}  // namespace
+
+void bind_op_harness(nb::module_& m) {
+  nb::class_<OpHarness>(m, "OpHarness")
+      .def(nb::init<const std::string&, const std::string&>(), "device"_a, "act_dtype"_a = "float32")
+      .def("embedding",
+           [](OpHarness& h, I32In ids, F32In table, const std::string& wd) {
+             Dev i = h.up_ids(ids), t = h.up(table, parse_dtype(wd));
+             Dev o = h.empty(int64_t(ids.size()), t.t.cols, h.act());
+             h.be().embedding(i.t.ptr<int32_t>(), t.t, o.t);
+             return h.down(o.t);
+           })
+      .def("rms_norm",
+           [](OpHarness& h, F32In x, F32In w, float eps, bool zc, const std::string& wd) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, parse_dtype(wd));
+             Dev o = h.empty(xd.t.rows, xd.t.cols, h.act());
+             h.be().rms_norm(xd.t, wdv.t, eps, zc, o.t);
+             return h.down(o.t);
+           })
+      .def("add_rms_norm",
+           [](OpHarness& h, F32In res, F32In x, F32In w, float eps, bool zc, const std::string& wd) {
+             Dev rd = h.up(res, h.act()), xd = h.up(x, h.act()), wdv = h.up(w, parse_dtype(wd));
+             Dev o = h.empty(xd.t.rows, xd.t.cols, h.act());
+             h.be().add_rms_norm(rd.t, xd.t, wdv.t, eps, zc, o.t);
+             return std::make_pair(h.down(rd.t), h.down(o.t));
+           })
+      .def("head_rms_norm",
+           [](OpHarness& h, F32In x, int hd, F32In w, float eps, bool zc, const std::string& wd) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, parse_dtype(wd));
+             h.be().head_rms_norm(xd.t, hd, wdv.t, eps, zc);
+             return h.down(xd.t);
+           })
+      .def("rope",
+           [](OpHarness& h, F32In x, int hd, I32In pos, F32In cs) {
+             Dev xd = h.up(x, h.act()), pd = h.up_ids(pos), cd = h.up(cs, DType::F32);
+             RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
+             h.be().rope(xd.t, hd, pd.t.ptr<int32_t>(), tab);
+             return h.down(xd.t);
+           })
+      .def("linear",
+           [](OpHarness& h, F32In x, F32In w, std::optional<F32In> bias, const std::string& wd) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, parse_dtype(wd));
+             std::optional<Dev> bd;
+             if (bias) bd = h.up(*bias, DType::F32);
+             Dev o = h.empty(xd.t.rows, wdv.t.rows, h.act());
+             Linear lin;
+             lin.w = wdv.t;
+             h.be().linear(xd.t, lin, bd ? &bd->t : nullptr, o.t);
+             return h.down(o.t);
+           }, "x"_a, "w"_a, "bias"_a.none(), "w_dtype"_a)
+      .def("silu_mul",
+           [](OpHarness& h, F32In gu) {
+             Dev g = h.up(gu, h.act());
+             Dev o = h.empty(g.t.rows, g.t.cols / 2, h.act());
+             h.be().silu_mul(g.t, o.t);
+             return h.down(o.t);
+           })
+      .def("attention",
+           [](OpHarness& h, F32In q, F32In k, F32In v, F32In kc, F32In vc, I32In q_start, I32In ctx_len,
+              I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale) {
+             Dev qd = h.up(q, h.act()), kd = h.up(k, h.act()), vd = h.up(v, h.act());
+             Dev kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
+             Dev qs = h.up_ids(q_start), cl = h.up_ids(ctx_len), pt = h.up_ids(page_table), kr = h.up_ids(kv_rows);
+             AttnBatch b;
+             b.num_seqs = int(ctx_len.size());
+             b.num_tokens = int(qd.t.rows);
+             b.q_start = qs.t.ptr<int32_t>();
+             b.ctx_len = cl.t.ptr<int32_t>();
+             b.page_table = pt.t.ptr<int32_t>();
+             b.kv_rows = kr.t.ptr<int32_t>();
+             b.max_pages = b.num_seqs ? int(page_table.size()) / b.num_seqs : 0;
+             b.page_size = page_size;
+             const int32_t* qsh = q_start.data();
+             const int32_t* clh = ctx_len.data();
+             for (int s = 0; s < b.num_seqs; ++s) {
+               b.max_q_len = std::max(b.max_q_len, qsh[s + 1] - qsh[s]);
+               b.max_ctx_len = std::max(b.max_ctx_len, clh[s]);
+             }
+             KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
+             h.be().write_kv(kd.t, vd.t, b, cache);
+             Dev o = h.empty(qd.t.rows, qd.t.cols, h.act());
+             AttnShape sh{hq, hkv, hd, scale};
+             h.be().attention(qd.t, cache, b, sh, o.t);
+             return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
+           })
+      .def("gather_rows",
+           [](OpHarness& h, F32In x, I32In rows) {
+             Dev xd = h.up(x, h.act()), rd = h.up_ids(rows);
+             Dev o = h.empty(int64_t(rows.size()), xd.t.cols, h.act());
+             h.be().gather_rows(xd.t, rd.t.ptr<int32_t>(), o.t);
+             return h.down(o.t);
+           })
+      .def("add",
+           [](OpHarness& h, F32In x, F32In y) {
+             Dev xd = h.up(x, h.act()), yd = h.up(y, h.act());
+             h.be().add(xd.t, yd.t);
+             return h.down(xd.t);
+           })
+      .def("fill_random",
+           [](OpHarness& h, int64_t rows, int64_t cols, uint64_t seed, float scale, float offset, const std::string& dt) {
+             Dev o = h.empty(rows, cols, parse_dtype(dt));
+             h.be().fill_random(o.t, seed, scale, offset);
+             return h.down(o.t);
+           })
+      .def("sample", [](OpHarness& h, F32In logits, nb::list rows) {
+        Dev l = h.up(logits, DType::F32);
+        std::vector<SampleRow> rs;
+        for (nb::handle item : rows) {
+          nb::dict d = nb::cast<nb::dict>(item);
+          SampleRow r;
+          auto get = [&](const char* k) -> nb::object { return d.contains(k) ? nb::object(d[k]) : nb::object(); };
+          if (auto o = get("temperature"); o.is_valid()) r.temperature = nb::cast<float>(o);
+          if (auto o = get("top_k"); o.is_valid()) r.top_k = nb::cast<int>(o);
+          if (auto o = get("top_p"); o.is_valid()) r.top_p = nb::cast<float>(o);
+          if (auto o = get("min_p"); o.is_valid()) r.min_p = nb::cast<float>(o);
+          if (auto o = get("repetition_penalty"); o.is_valid()) r.repetition_penalty = nb::cast<float>(o);
+          if (auto o = get("presence_penalty"); o.is_valid()) r.presence_penalty = nb::cast<float>(o);
+          if (auto o = get("frequency_penalty"); o.is_valid()) r.frequency_penalty = nb::cast<float>(o);
+          if (auto o = get("seed"); o.is_valid()) r.seed = nb::cast<uint64_t>(o);
+          if (auto o = get("draw"); o.is_valid()) r.draw = nb::cast<int64_t>(o);
+          if (auto o = get("num_logprobs"); o.is_valid()) r.num_logprobs = nb::cast<int>(o);
+          if (auto o = get("seen_tokens"); o.is_valid()) r.seen_tokens = nb::cast<std::vector<int32_t>>(o);
+          if (auto o = get("output_tokens"); o.is_valid()) r.output_tokens = nb::cast<std::vector<int32_t>>(o);
+          if (auto o = get("output_counts"); o.is_valid()) r.output_counts = nb::cast<std::vector<int32_t>>(o);
+          if (auto o = get("banned_tokens"); o.is_valid()) r.banned_tokens = nb::cast<std::vector<int32_t>>(o);
+          rs.push_back(std::move(r));
+        }
+        SampleResult res;
+        h.be().sample(l.t, rs, res);
+        nb::dict out;
+        const size_t R = res.tokens.size(), n = size_t(res.max_n);
+        out["tokens"] = nb::cast(res.tokens);
+        out["logprobs"] = nb::cast(res.logprobs);
+        nb::list ids, lps;
+        for (size_t r = 0; r < R; ++r) {
+          ids.append(nb::cast(std::vector<int32_t>(res.top_ids.begin() + r * n, res.top_ids.begin() + (r + 1) * n)));
+          lps.append(nb::cast(std::vector<float>(res.top_logprobs.begin() + r * n, res.top_logprobs.begin() + (r + 1) * n)));
+        }
+        out["top_ids"] = ids;
+        out["top_logprobs"] = lps;
+        return out;
+      });
+}
+
+}  // namespace qrt

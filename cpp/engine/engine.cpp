@@ -1,0 +1,488 @@
+#include "engine/engine.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "backend/random.h"
+#include "core/error.h"
+#include "dist/comm.h"
+#include "engine/scheduler.h"
+#include "kv/kv_cache.h"
+#include "model/qwen.h"
+
+namespace qrt {
+namespace {
+
+// A thread that runs one job at a time for a rank (its device stays bound to this thread).
+class RankWorker {
+ public:
+  RankWorker() : th_([this] { loop(); }) {}
+  ~RankWorker() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    th_.join();
+  }
+  void post(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lk(m_);
+    job_ = std::move(fn);
+    done_ = false;
+    error_ = nullptr;
+    cv_.notify_all();
+  }
+  void wait(double timeout_s) {
+    std::unique_lock<std::mutex> lk(m_);
+    QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
+              "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lk(m_);
+    while (true) {
+      cv_.wait(lk, [&] { return stop_ || job_; });
+      if (stop_) return;
+      auto fn = std::move(job_);
+      job_ = nullptr;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        fn();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      error_ = err;
+      done_ = true;
+      cv_.notify_all();
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool done_ = true, stop_ = false;
+  std::exception_ptr error_;
+  std::thread th_;
+};
+
+struct Rank {
+  std::unique_ptr<Backend> be;
+  std::unique_ptr<Comm> comm;
+  std::unique_ptr<QwenModel> model;
+  std::unique_ptr<KvCache> kv;
+};
+
+bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+}  // namespace
+
+struct Engine::Impl {
+  ModelConfig cfg;
+  EngineOptions opt;
+  std::unique_ptr<WeightFiles> files;
+  std::vector<Rank> ranks;
+  std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
+  std::unique_ptr<Scheduler> sched;
+
+  mutable std::mutex mu;
+  std::condition_variable work_cv, out_cv;
+  std::deque<std::unique_ptr<Request>> incoming;
+  std::vector<int64_t> cancels;
+  std::map<int64_t, RequestOutput> channels;  // pending output of live requests
+  bool stop = false, closed = false;
+  std::string failed;
+  int64_t next_id = 1;
+  EngineStats snapshot;
+  std::thread loop_thread;
+
+  void on_ranks(const std::function<void(int, Rank&)>& fn) {
+    for (size_t r = 1; r < ranks.size(); ++r) workers[r - 1]->post([&fn, this, r] { fn(int(r), ranks[r]); });
+    std::exception_ptr err;
+    try {
+      fn(0, ranks[0]);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    for (size_t r = 1; r < ranks.size(); ++r) {
+      try {
+        workers[r - 1]->wait(opt.comm_timeout_s);
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+  }
+
+  void build(const std::vector<TensorSource>& tensors, const Progress& progress);
+  void loop();
+  void step();
+  void publish_token(Request& r, const SampleResult& res, int row);
+  void finish(std::unique_ptr<Request> r, Finish f, const std::string& error = "");
+  void fail_all(const std::string& msg);
+  void update_snapshot();
+};
+
+void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progress& progress) {
+  const int n = opt.tensor_parallel_size;
+  QRT_CHECK_ARG(n >= 1, "tensor_parallel_size must be >= 1");
+  QRT_CHECK_ARG(opt.max_batch_size >= 1, "max_batch_size must be >= 1");
+  QRT_CHECK_ARG(opt.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1");
+  QRT_CHECK_ARG(opt.page_size >= 1 && (opt.page_size & (opt.page_size - 1)) == 0,
+                "page_size must be a power of two");
+  if (opt.max_model_len <= 0) opt.max_model_len = cfg.max_position_embeddings;
+  QRT_CHECK_ARG(opt.max_model_len <= cfg.max_position_embeddings, "max_model_len ", opt.max_model_len,
+                " exceeds the model's max_position_embeddings ", cfg.max_position_embeddings);
+  const bool cuda = opt.device == "cuda";
+  QRT_CHECK_ARG(cuda || opt.device == "cpu", "unknown device '", opt.device, "'");
+  if (cuda) {
+    const int count = cuda_device_count();
+    QRT_CHECK_ARG(count > 0, "no CUDA device is usable: ", count == 0 ? cuda_plugin_error() : "");
+    QRT_CHECK_ARG(opt.device_index >= 0 && opt.device_index + n <= count, "cuda:", opt.device_index, " with ",
+                  "tensor_parallel_size ", n, " needs ", opt.device_index + n, " devices, ", count, " present");
+  }
+  const DType wdt = parse_dtype(opt.weight_dtype), adt = parse_dtype(opt.act_dtype);
+  if (!opt.dummy_weights) files = std::make_unique<WeightFiles>(tensors);
+
+  ranks.resize(n);
+  for (int r = 1; r < n; ++r) workers.push_back(std::make_unique<RankWorker>());
+  // Backends, each created on its rank's thread.
+  const int cores = opt.num_threads > 0 ? opt.num_threads : omp_get_num_procs();
+  on_ranks([&](int r, Rank& rk) {
+    rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n));
+  });
+  // Communicators.
+  if (n == 1) {
+    ranks[0].comm = make_single_comm();
+  } else if (!cuda) {
+    auto group = make_thread_group(n, opt.comm_timeout_s);
+    for (int r = 0; r < n; ++r) ranks[r].comm = make_thread_comm(group, r);
+  } else {
+    char id[128];
+    nccl_unique_id(id);
+    on_ranks([&](int r, Rank& rk) { rk.comm = make_nccl_comm(*rk.be, id, r, n); });
+  }
+  // Models: every rank loads its shard at once.
+  Limits lim;
+  lim.max_tokens = opt.max_num_batched_tokens;
+  lim.max_seqs = opt.max_batch_size;
+  lim.max_pages_per_seq = (opt.max_model_len + opt.page_size - 1) / opt.page_size;
+  on_ranks([&](int r, Rank& rk) {
+    WeightSpec ws{files.get(), opt.seed, wdt};
+    rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
+  });
+  // KV pool: the same number of pages on every rank.
+  const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), adt);
+  int64_t pages = 0;
+  if (opt.kv_cache_memory > 0) {
+    pages = opt.kv_cache_memory / int64_t(bpp);
+  } else {
+    size_t fr = 0, total = 0;
+    int64_t fit = INT64_MAX;
+    for (auto& rk : ranks) {
+      rk.be->memory_info(&fr, &total);
+      const double share = cuda ? opt.gpu_memory_utilization * double(fr) : 0.25 * double(fr) / n;
+      fit = std::min<int64_t>(fit, int64_t(share / double(bpp)));
+    }
+    // Never more than every slot at full length needs.
+    const int64_t want = int64_t(opt.max_batch_size) * lim.max_pages_per_seq;
+    pages = std::min(fit, want);
+  }
+  QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
+  QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");
+  on_ranks([&](int, Rank& rk) {
+    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), adt);
+    rk.be->synchronize();
+  });
+  SchedulerOptions so;
+  so.max_batch_size = opt.max_batch_size;
+  so.max_num_batched_tokens = opt.max_num_batched_tokens;
+  so.page_size = opt.page_size;
+  so.num_pages = int(pages);
+  so.max_model_len = opt.max_model_len;
+  sched = std::make_unique<Scheduler>(so);
+  snapshot.weight_bytes = ranks[0].model->weight_bytes();
+  snapshot.kv_bytes = bpp * size_t(pages);
+  update_snapshot();
+}
+
+void Engine::Impl::update_snapshot() {
+  snapshot.free_slots = sched->free_slots();
+  snapshot.total_slots = opt.max_batch_size;
+  snapshot.free_pages = sched->free_pages();
+  snapshot.total_pages = sched->total_pages();
+  snapshot.running = sched->running();
+  snapshot.waiting = sched->waiting() + int(incoming.size());
+  snapshot.preemptions = sched->preemptions();
+  snapshot.max_model_len = opt.max_model_len;
+  snapshot.page_size = opt.page_size;
+}
+
+void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
+  RequestOutput& o = channels[r.id];
+  o.tokens.push_back(res.tokens[row]);
+  o.logprobs.push_back(res.logprobs[row]);
+  o.top_n = r.opts.logprobs;
+  for (int i = 0; i < r.opts.logprobs; ++i) {
+    o.top_ids.push_back(res.top_ids[size_t(row) * res.max_n + i]);
+    o.top_logprobs.push_back(res.top_logprobs[size_t(row) * res.max_n + i]);
+  }
+}
+
+void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
+  RequestOutput& o = channels[r->id];
+  o.finish = f;
+  o.error = error;
+  o.top_n = r->opts.logprobs;
+}
+
+void Engine::Impl::fail_all(const std::string& msg) {
+  std::lock_guard<std::mutex> lk(mu);
+  failed = msg;
+  for (Request* r : sched->all_requests()) finish(sched->remove(r), Finish::Error, msg);
+  while (!incoming.empty()) {
+    finish(std::move(incoming.front()), Finish::Error, msg);
+    incoming.pop_front();
+  }
+  update_snapshot();
+  out_cv.notify_all();
+}
+
+void Engine::Impl::loop() {
+  while (true) {
+    std::vector<int64_t> cancelled;
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      work_cv.wait(lk, [&] { return stop || !incoming.empty() || !cancels.empty() || !sched->idle(); });
+      if (stop) return;
+      while (!incoming.empty()) {
+        sched->add(std::move(incoming.front()));
+        incoming.pop_front();
+      }
+      cancelled.swap(cancels);
+      if (!cancelled.empty()) {
+        for (Request* r : sched->all_requests())
+          if (std::find(cancelled.begin(), cancelled.end(), r->id) != cancelled.end())
+            finish(sched->remove(r), Finish::Cancelled);
+        update_snapshot();
+        out_cv.notify_all();
+      }
+    }
+    try {
+      step();
+    } catch (const std::exception& e) {
+      fail_all(std::string("engine step failed: ") + e.what());
+      return;
+    }
+  }
+}
+
+void Engine::Impl::step() {
+  Plan plan = sched->plan();
+  if (plan.empty()) return;
+  Tensor logits;
+  on_ranks([&](int r, Rank& rk) {
+    Tensor l = rk.model->forward(plan.input, *rk.kv);
+    if (r == 0) logits = l;
+  });
+  // Sampling parameters of the sequences that reached their end.
+  std::vector<SampleRow> rows;
+  for (const auto& s : plan.seqs) {
+    if (!s.sample) continue;
+    const Request& q = *s.req;
+    const SamplingOptions& o = q.opts;
+    SampleRow row;
+    row.temperature = o.temperature;
+    row.top_k = o.top_k;
+    row.top_p = o.top_p;
+    row.min_p = o.min_p;
+    row.repetition_penalty = o.repetition_penalty;
+    row.presence_penalty = o.presence_penalty;
+    row.frequency_penalty = o.frequency_penalty;
+    row.seed = q.seed;
+    row.draw = int64_t(q.output.size());
+    row.num_logprobs = o.logprobs;
+    if (o.repetition_penalty != 1.0f) {
+      std::set<int32_t> seen(q.prompt.begin(), q.prompt.end());
+      seen.insert(q.output.begin(), q.output.end());
+      row.seen_tokens.assign(seen.begin(), seen.end());
+    }
+    if (o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f)
+      for (auto [t, c] : q.output_counts) {
+        row.output_tokens.push_back(t);
+        row.output_counts.push_back(c);
+      }
+    if (int(q.output.size()) < o.min_tokens) {
+      row.banned_tokens = o.stop_token_ids;
+      if (!o.ignore_eos) row.banned_tokens.insert(row.banned_tokens.end(), o.eos_token_ids.begin(), o.eos_token_ids.end());
+    }
+    rows.push_back(std::move(row));
+  }
+  SampleResult res;
+  if (!rows.empty()) ranks[0].be->sample(logits, rows, res);
+
+  std::lock_guard<std::mutex> lk(mu);
+  int ri = 0;
+  for (const auto& s : plan.seqs) {
+    Request& q = *s.req;
+    q.computed = s.first + s.count;
+    if (!s.sample) continue;
+    const int32_t tok = res.tokens[ri];
+    q.output.push_back(tok);
+    q.output_counts[tok]++;
+    publish_token(q, res, ri);
+    ++ri;
+    const SamplingOptions& o = q.opts;
+    const bool stop_tok = contains(o.stop_token_ids, tok) || (!o.ignore_eos && contains(o.eos_token_ids, tok));
+    Finish f = Finish::None;
+    if (stop_tok && int(q.output.size()) >= o.min_tokens) f = Finish::Stop;
+    else if (int(q.output.size()) >= o.max_tokens || q.length() >= opt.max_model_len) f = Finish::Length;
+    if (f != Finish::None) finish(sched->remove(&q), f);
+  }
+  snapshot.steps++;
+  update_snapshot();
+  out_cv.notify_all();
+}
+
+Engine::Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors, const EngineOptions& opts,
+               const Progress& progress)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->cfg = cfg;
+  impl_->opt = opts;
+  validate(cfg);
+  impl_->build(tensors, progress);
+  impl_->loop_thread = std::thread([this] { impl_->loop(); });
+}
+
+Engine::~Engine() { close(); }
+
+int64_t Engine::submit(const std::vector<int32_t>& prompt, const SamplingOptions& o) {
+  Impl& m = *impl_;
+  const int V = m.cfg.vocab_size;
+  QRT_CHECK_ARG(!prompt.empty(), "prompt is empty");
+  for (int32_t t : prompt) QRT_CHECK_ARG(t >= 0 && t < V, "prompt token id ", t, " is outside the vocabulary [0, ", V, ")");
+  QRT_CHECK_ARG(o.max_tokens >= 1, "max_tokens must be >= 1, got ", o.max_tokens);
+  QRT_CHECK_ARG(o.min_tokens >= 0 && o.min_tokens <= o.max_tokens, "min_tokens must be in [0, max_tokens]");
+  QRT_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "temperature must be >= 0, got ", o.temperature);
+  QRT_CHECK_ARG(o.top_k >= 0, "top_k must be >= 0 (0 turns it off), got ", o.top_k);
+  QRT_CHECK_ARG(o.top_p > 0 && o.top_p <= 1, "top_p must be in (0, 1], got ", o.top_p);
+  QRT_CHECK_ARG(o.min_p >= 0 && o.min_p <= 1, "min_p must be in [0, 1], got ", o.min_p);
+  QRT_CHECK_ARG(std::isfinite(o.repetition_penalty) && o.repetition_penalty > 0,
+                "repetition_penalty must be > 0, got ", o.repetition_penalty);
+  QRT_CHECK_ARG(std::isfinite(o.presence_penalty) && std::isfinite(o.frequency_penalty),
+                "presence_penalty and frequency_penalty must be finite");
+  QRT_CHECK_ARG(o.logprobs >= 0 && o.logprobs <= V, "logprobs must be in [0, vocab size]");
+  for (int32_t t : o.stop_token_ids) QRT_CHECK_ARG(t >= 0 && t < V, "stop token id ", t, " is outside the vocabulary");
+  const int64_t total = int64_t(prompt.size()) + o.max_tokens;
+  QRT_CHECK_ARG(int64_t(prompt.size()) < m.opt.max_model_len, "prompt has ", prompt.size(),
+                " tokens; max_model_len is ", m.opt.max_model_len);
+  QRT_CHECK_ARG(total <= m.opt.max_model_len, "prompt (", prompt.size(), " tokens) + max_tokens (", o.max_tokens,
+                ") = ", total, " exceeds max_model_len ", m.opt.max_model_len);
+  const int64_t cap = int64_t(m.sched->total_pages()) * m.opt.page_size;
+  QRT_CHECK_ARG(total <= cap, "prompt + max_tokens = ", total, " tokens exceeds the KV cache (", cap,
+                " tokens); raise kv_cache_memory");
+  std::lock_guard<std::mutex> lk(m.mu);
+  if (m.closed) throw std::runtime_error("the engine is closed");
+  if (!m.failed.empty()) throw std::runtime_error(m.failed);
+  auto r = std::make_unique<Request>();
+  r->id = m.next_id++;
+  r->prompt = prompt;
+  r->opts = o;
+  r->seed = o.seed >= 0 ? uint64_t(o.seed) : hash3(m.opt.seed, uint64_t(r->id), 0x5eed);
+  const int64_t id = r->id;
+  m.channels[id] = RequestOutput{};
+  m.incoming.push_back(std::move(r));
+  m.snapshot.waiting++;
+  m.work_cv.notify_all();
+  return id;
+}
+
+void Engine::cancel(int64_t id) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lk(m.mu);
+  if (!m.channels.count(id)) return;  // finished already (or unknown): nothing to do
+  for (auto it = m.incoming.begin(); it != m.incoming.end(); ++it)
+    if ((*it)->id == id) {
+      auto r = std::move(*it);
+      m.incoming.erase(it);
+      m.finish(std::move(r), Finish::Cancelled);
+      m.out_cv.notify_all();
+      return;
+    }
+  m.cancels.push_back(id);
+  m.work_cv.notify_all();
+}
+
+RequestOutput Engine::wait(int64_t id, double timeout_s) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lk(m.mu);
+  auto it = m.channels.find(id);
+  QRT_CHECK_ARG(it != m.channels.end(), "unknown or finished request id ", id);
+  m.out_cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), [&] {
+    return !it->second.tokens.empty() || it->second.finish != Finish::None;
+  });
+  RequestOutput o = std::move(it->second);
+  it->second = RequestOutput{};
+  it->second.top_n = o.top_n;
+  if (o.finish != Finish::None) m.channels.erase(it);
+  return o;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->snapshot;
+}
+
+void Engine::close() {
+  if (!impl_) return;
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lk(m.mu);
+    if (m.closed) return;
+    m.closed = true;
+    m.stop = true;
+  }
+  m.work_cv.notify_all();
+  if (m.loop_thread.joinable()) m.loop_thread.join();
+  {
+    std::lock_guard<std::mutex> lk(m.mu);
+    if (m.sched)
+      for (Request* r : m.sched->all_requests()) m.finish(m.sched->remove(r), Finish::Cancelled);
+    while (!m.incoming.empty()) {
+      m.finish(std::move(m.incoming.front()), Finish::Cancelled);
+      m.incoming.pop_front();
+    }
+    m.out_cv.notify_all();
+  }
+  // Free device memory rank by rank on each rank's own thread, then the threads.
+  if (!m.ranks.empty()) {
+    try {
+      m.on_ranks([](int, Rank& rk) {
+        if (rk.be) rk.be->synchronize();
+        rk.kv.reset();
+        rk.model.reset();
+        rk.comm.reset();
+        rk.be.reset();
+      });
+    } catch (...) {
+    }
+  }
+  m.workers.clear();
+  m.ranks.clear();
+  m.files.reset();
+}
+
+}  // namespace qrt

@@ -1,0 +1,63 @@
+// Engine: owns the ranks (devices, weights, KV), the scheduler and the loop thread.
+// Thread-safe: submit/cancel/wait/stats may be called from any thread.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace qrt {
+
+struct EngineOptions {
+  std::string device = "cpu";      // "cpu" or "cuda"
+  int device_index = 0;            // first device (CUDA); rank r uses device_index + r
+  std::string weight_dtype = "float32";
+  std::string act_dtype = "float32";
+  int max_batch_size = 32;
+  int max_model_len = 0;           // 0: config max_position_embeddings
+  int max_num_batched_tokens = 2048;
+  int page_size = 16;
+  int64_t kv_cache_memory = 0;     // bytes per rank; 0: from memory left
+  double gpu_memory_utilization = 0.9;
+  int tensor_parallel_size = 1;
+  bool dummy_weights = false;
+  uint64_t seed = 0;
+  int num_threads = 0;             // CPU threads in all (0: every core)
+  bool cuda_graphs = true;
+  double comm_timeout_s = 120.0;
+};
+
+struct EngineStats {
+  int free_slots = 0, total_slots = 0, free_pages = 0, total_pages = 0, running = 0, waiting = 0;
+  int64_t preemptions = 0, steps = 0;
+  int max_model_len = 0, page_size = 0;
+  size_t weight_bytes = 0, kv_bytes = 0;
+};
+
+class Engine {
+ public:
+  Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors, const EngineOptions& opts,
+         const Progress& progress);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request; throws std::invalid_argument for bad input.
+  int64_t submit(const std::vector<int32_t>& prompt, const SamplingOptions& opts);
+  void cancel(int64_t id);
+  // Waits up to timeout_s for new output of request id and returns it (tokens may be empty on timeout).
+  // Once the returned output carries a finish reason the id is forgotten.
+  RequestOutput wait(int64_t id, double timeout_s);
+  EngineStats stats() const;
+  // Stops the loop, finishes pending requests as cancelled, frees every device byte. Idempotent.
+  void close();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace qrt

@@ -1,0 +1,129 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace qrt {
+
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::None: return "";
+    case Finish::Stop: return "stop";
+    case Finish::Length: return "length";
+    case Finish::Cancelled: return "cancelled";
+    case Finish::Error: return "error";
+  }
+  return "";
+}
+
+Scheduler::Scheduler(const SchedulerOptions& o) : opt_(o), pool_(o.num_pages), slots_(o.max_batch_size) {}
+
+void Scheduler::add(std::unique_ptr<Request> r) { waiting_.push_back(std::move(r)); }
+
+std::vector<Request*> Scheduler::all_requests() {
+  std::vector<Request*> v;
+  for (auto& r : running_) v.push_back(r.get());
+  for (auto& r : waiting_) v.push_back(r.get());
+  return v;
+}
+
+bool Scheduler::ensure_pages(Request& r, int tokens) {
+  Slot& s = slots_[r.slot];
+  const int need = (tokens + opt_.page_size - 1) / opt_.page_size;
+  if (need - int(s.pages.size()) > pool_.free_count()) return false;
+  while (int(s.pages.size()) < need) s.pages.push_back(pool_.alloc());
+  return true;
+}
+
+void Scheduler::preempt(Request* r) {
+  auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == r; });
+  QRT_CHECK(it != running_.end(), "preempt: request not running");
+  std::unique_ptr<Request> own = std::move(*it);
+  running_.erase(it);
+  slots_.release(own->slot, pool_);
+  own->slot = -1;
+  own->computed = 0;
+  own->preempted++;
+  preemptions_++;
+  waiting_.push_front(std::move(own));
+}
+
+std::unique_ptr<Request> Scheduler::remove(Request* r) {
+  std::unique_ptr<Request> own;
+  auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == r; });
+  if (it != running_.end()) {
+    own = std::move(*it);
+    running_.erase(it);
+  } else {
+    auto wt = std::find_if(waiting_.begin(), waiting_.end(), [&](auto& p) { return p.get() == r; });
+    QRT_CHECK(wt != waiting_.end(), "remove: unknown request");
+    own = std::move(*wt);
+    waiting_.erase(wt);
+  }
+  if (own->slot >= 0) slots_.release(own->slot, pool_);
+  own->slot = -1;
+  return own;
+}
+
+Plan Scheduler::plan() {
+  Plan p;
+  int budget = opt_.max_num_batched_tokens;
+  const int ps = opt_.page_size;
+  // Running requests first, oldest first: decodes and unfinished prefills.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Request* r = running_[i].get();
+    int n = std::min(r->length() - r->computed, budget);
+    // Tokens that fit in the pages the slot has plus the free ones.
+    const int cap = (int(slots_[r->slot].pages.size()) + pool_.free_count()) * ps - r->computed;
+    if (cap < n && cap >= 1 && n > 1) n = cap;  // a prefill chunk shrinks to what fits
+    if (!ensure_pages(*r, r->computed + n)) {
+      Request* victim = running_.back().get();
+      preempt(victim);  // the newest, possibly r itself
+      continue;         // retry r (or stop if r was the last)
+    }
+    p.seqs.push_back({r, r->computed, n, r->computed + n == r->length()});
+    budget -= n;
+    ++i;
+  }
+  // Admit waiting requests while slots, pages and budget allow.
+  while (budget > 0 && !waiting_.empty() && slots_.free_count() > 0 && pool_.free_count() > 0 &&
+         int(running_.size()) < opt_.max_batch_size) {
+    Request* r = waiting_.front().get();
+    int n = std::min({r->length(), budget, pool_.free_count() * ps});
+    r->slot = slots_.acquire();
+    r->computed = 0;
+    ensure_pages(*r, n);
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    p.seqs.push_back({r, 0, n, n == r->length()});
+    budget -= n;
+  }
+  if (!p.seqs.empty()) build_input(p);
+  return p;
+}
+
+void Scheduler::build_input(Plan& p) {
+  StepInput& in = p.input;
+  const int ps = opt_.page_size;
+  int max_pages = 0;
+  for (auto& s : p.seqs) max_pages = std::max(max_pages, (s.first + s.count + ps - 1) / ps);
+  in.max_pages = max_pages;
+  in.q_start.push_back(0);
+  for (auto& s : p.seqs) {
+    const Slot& slot = slots_[s.req->slot];
+    for (int i = s.first; i < s.first + s.count; ++i) {
+      in.tokens.push_back(s.req->token_at(i));
+      in.positions.push_back(i);
+      in.kv_rows.push_back(slot.pages[i / ps] * ps + i % ps);
+    }
+    in.q_start.push_back(int32_t(in.tokens.size()));
+    in.ctx_len.push_back(s.first + s.count);
+    for (int j = 0; j < max_pages; ++j) in.page_table.push_back(j < int(slot.pages.size()) ? slot.pages[j] : 0);
+    if (s.sample) in.logit_rows.push_back(int32_t(in.tokens.size()) - 1);
+    in.max_q_len = std::max(in.max_q_len, s.count);
+    in.max_ctx_len = std::max(in.max_ctx_len, s.first + s.count);
+  }
+}
+
+}  // namespace qrt

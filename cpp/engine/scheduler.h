@@ -1,0 +1,67 @@
+// Scheduler: continuous batching over a fixed number of slots (host only, unit-testable).
+// Each step mixes decode (one token per running request) with chunked prefill under a token budget.
+// When pages run out, the newest running request is preempted (its pages freed, recomputed later).
+#pragma once
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "engine/request.h"
+#include "kv/kv_cache.h"
+#include "model/qwen.h"
+
+namespace qrt {
+
+struct SchedulerOptions {
+  int max_batch_size = 8;
+  int max_num_batched_tokens = 2048;
+  int page_size = 16;
+  int num_pages = 0;
+  int max_model_len = 0;
+};
+
+struct PlannedSeq {
+  Request* req;
+  int first;    // first token index fed this step
+  int count;    // tokens fed this step
+  bool sample;  // the step reaches the end of the sequence: a token is sampled
+};
+
+struct Plan {
+  std::vector<PlannedSeq> seqs;
+  StepInput input;
+  bool empty() const { return seqs.empty(); }
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerOptions& o);
+  const SchedulerOptions& options() const { return opt_; }
+  void add(std::unique_ptr<Request> r);  // to the back of the waiting queue
+  // Plans the next step. Requests finished (cancelled) before planning are returned by take_finished().
+  Plan plan();
+  // Removes a running or waiting request (finish or cancel) and frees its slot and pages.
+  std::unique_ptr<Request> remove(Request* r);
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  std::vector<Request*> all_requests();
+  int running() const { return int(running_.size()); }
+  int waiting() const { return int(waiting_.size()); }
+  int free_slots() const { return slots_.free_count(); }
+  int free_pages() const { return pool_.free_count(); }
+  int total_pages() const { return pool_.total(); }
+  int64_t preemptions() const { return preemptions_; }
+
+ private:
+  bool ensure_pages(Request& r, int tokens);  // pages for tokens [0, tokens) of r
+  void preempt(Request* r);
+  void build_input(Plan& p);
+
+  SchedulerOptions opt_;
+  PagePool pool_;
+  SlotTable slots_;
+  std::deque<std::unique_ptr<Request>> waiting_;
+  std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
+  int64_t preemptions_ = 0;
+};
+
+}  // namespace qrt

@@ -1,0 +1,55 @@
+#include "kv/kv_cache.h"
+
+#include "core/error.h"
+
+namespace qrt {
+
+PagePool::PagePool(int n) : total_(n) {
+  free_.reserve(n);
+  for (int i = n - 1; i >= 0; --i) free_.push_back(i);
+}
+
+int PagePool::alloc() {
+  if (free_.empty()) return -1;
+  const int p = free_.back();
+  free_.pop_back();
+  return p;
+}
+
+void PagePool::release(int page) { free_.push_back(page); }
+
+int SlotTable::free_count() const {
+  int n = 0;
+  for (const auto& s : slots_) n += !s.used;
+  return n;
+}
+
+int SlotTable::acquire() {
+  for (int i = 0; i < int(slots_.size()); ++i)
+    if (!slots_[i].used) {
+      slots_[i] = Slot{};
+      slots_[i].used = true;
+      return i;
+    }
+  return -1;
+}
+
+void SlotTable::release(int i, PagePool& pool) {
+  Slot& s = slots_[i];
+  for (auto it = s.pages.rbegin(); it != s.pages.rend(); ++it) pool.release(*it);
+  s = Slot{};
+}
+
+KvCache::KvCache(Backend& be, int layers, int pages, int page_size, int kv_cols, DType dtype)
+    : layers_(layers), pages_(pages), page_size_(page_size), kv_cols_(kv_cols), dtype_(dtype),
+      buf_(&be, bytes_per_page(layers, page_size, kv_cols, dtype) * size_t(pages)) {
+  be.fill_zero(buf_.data(), buf_.bytes());
+}
+
+KvLayer KvCache::layer(int l) const {
+  const size_t half = size_t(pages_) * page_size_ * kv_cols_ * dtype_size(dtype_);
+  char* base = buf_.as<char>() + size_t(l) * 2 * half;
+  return KvLayer{base, base + half, dtype_};
+}
+
+}  // namespace qrt

@@ -1,0 +1,226 @@
+#include "model/qwen.h"
+
+#include <cmath>
+
+#include "backend/random.h"
+#include "core/error.h"
+
+namespace qrt {
+
+void validate(const ModelConfig& c) {
+  QRT_CHECK_ARG(c.arch == "qwen2" || c.arch == "qwen3", "unsupported model architecture '", c.arch, "'");
+  QRT_CHECK_ARG(c.vocab_size > 0 && c.hidden_size > 0 && c.num_layers > 0 && c.intermediate_size > 0,
+                "config: vocab_size, hidden_size, num_hidden_layers and intermediate_size must be positive");
+  QRT_CHECK_ARG(c.num_q_heads > 0 && c.num_kv_heads > 0 && c.num_q_heads % c.num_kv_heads == 0,
+                "config: num_attention_heads (", c.num_q_heads, ") must be a multiple of num_key_value_heads (",
+                c.num_kv_heads, ")");
+  QRT_CHECK_ARG(c.head_dim > 0 && c.head_dim % 2 == 0, "config: head_dim must be positive and even");
+  QRT_CHECK_ARG(c.rot_dim() > 0 && c.rot_dim() <= c.head_dim, "config: bad rotary dimension ", c.rot_dim());
+  QRT_CHECK_ARG(c.max_position_embeddings > 0, "config: max_position_embeddings must be positive");
+}
+
+QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,
+                     const Progress& progress)
+    : cfg_(cfg), be_(be), comm_(comm), ws_(ws), lim_(lim) {
+  validate(cfg_);
+  const int n = comm.size(), r = comm.rank();
+  QRT_CHECK_ARG(cfg_.num_q_heads % n == 0, "tensor_parallel_size ", n, " does not divide the ", cfg_.num_q_heads,
+                " attention heads");
+  QRT_CHECK_ARG(cfg_.intermediate_size % n == 0, "tensor_parallel_size ", n, " does not divide intermediate_size ",
+                cfg_.intermediate_size);
+  q_heads_ = cfg_.num_q_heads / n;
+  q_head0_ = r * q_heads_;
+  if (cfg_.num_kv_heads % n == 0) {
+    kv_heads_ = cfg_.num_kv_heads / n;
+    kv_head0_ = r * kv_heads_;
+  } else {
+    QRT_CHECK_ARG(n % cfg_.num_kv_heads == 0, "tensor_parallel_size ", n, " and ", cfg_.num_kv_heads,
+                  " KV heads: one must divide the other");
+    kv_heads_ = 1;  // replicated: several ranks share one KV head
+    kv_head0_ = r * cfg_.num_kv_heads / n;
+  }
+  inter_ = cfg_.intermediate_size / n;
+  inter0_ = r * inter_;
+  load_weights(progress);
+  build_rope_table();
+
+  const DType act = be_.act_dtype();
+  const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim;
+  const int64_t meta = 3 * int64_t(T) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
+  meta_ = alloc_tensor(DType::I32, 1, meta);
+  residual_ = alloc_tensor(act, T, H);
+  hidden_ = alloc_tensor(act, T, H);
+  qkv_ = alloc_tensor(act, T, int64_t(q_heads_ + 2 * kv_heads_) * D);
+  attn_ = alloc_tensor(act, T, int64_t(q_heads_) * D);
+  proj_ = alloc_tensor(act, T, H);
+  gate_up_ = alloc_tensor(act, T, 2 * int64_t(inter_));
+  act_ = alloc_tensor(act, T, inter_);
+  sel_res_ = alloc_tensor(act, S, H);
+  sel_x_ = alloc_tensor(act, S, H);
+  sel_h_ = alloc_tensor(act, S, H);
+  logits_ = alloc_tensor(DType::F32, S, cfg_.vocab_size);
+}
+
+Tensor QwenModel::alloc_tensor(DType t, int64_t rows, int64_t cols) {
+  storage_.emplace_back(&be_, size_t(rows) * size_t(cols) * dtype_size(t));
+  return storage_.back().tensor(t, rows, cols);
+}
+
+// Loads rows [r0, r0 + dst.rows) x cols [c0, c0 + dst.cols) of a [rows, cols] checkpoint tensor into dst,
+// or fills dst with random values for dummy weights.
+void QwenModel::load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
+                     float dummy_scale, float dummy_offset) {
+  if (ws_.files) {
+    ws_.files->read(be_, name, rows, cols, r0, c0, dst);
+  } else {
+    be_.fill_random(dst, hash3(ws_.dummy_seed, dummy_counter_++, 0), dummy_scale, dummy_offset);
+  }
+}
+
+void QwenModel::load_weights(const Progress& progress) {
+  const std::string& pre = cfg_.weight_prefix;
+  const int H = cfg_.hidden_size, D = cfg_.head_dim, V = cfg_.vocab_size, I = cfg_.intermediate_size;
+  const int Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads;
+  const DType wt = ws_.dtype, nt = DType::F32;
+  const float ws = 0.02f * std::sqrt(3.0f);  // uniform with std 0.02, like transformers' init
+  const float norm_one = 1.0f;
+
+  embed_ = alloc_tensor(wt, V, H);
+  load(pre + "embed_tokens.weight", V, H, 0, 0, embed_, ws, 0.f);
+  layers_.resize(cfg_.num_layers);
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    if (progress) progress("loading weights", l, cfg_.num_layers);
+    Layer& L = layers_[l];
+    const std::string p = pre + "layers." + std::to_string(l) + ".";
+    L.input_norm = alloc_tensor(nt, 1, H);
+    load(p + "input_layernorm.weight", 1, H, 0, 0, L.input_norm, 0.f, norm_one);
+    L.post_norm = alloc_tensor(nt, 1, H);
+    load(p + "post_attention_layernorm.weight", 1, H, 0, 0, L.post_norm, 0.f, norm_one);
+    const int qn = q_heads_ * D, kn = kv_heads_ * D;
+    L.qkv.w = alloc_tensor(wt, qn + 2 * kn, H);
+    load(p + "self_attn.q_proj.weight", int64_t(Hq) * D, H, int64_t(q_head0_) * D, 0, L.qkv.w.row_slice(0, qn), ws, 0.f);
+    load(p + "self_attn.k_proj.weight", int64_t(Hkv) * D, H, int64_t(kv_head0_) * D, 0, L.qkv.w.row_slice(qn, kn), ws, 0.f);
+    load(p + "self_attn.v_proj.weight", int64_t(Hkv) * D, H, int64_t(kv_head0_) * D, 0,
+         L.qkv.w.row_slice(qn + kn, kn), ws, 0.f);
+    if (cfg_.attn_bias) {
+      L.qkv_bias = alloc_tensor(nt, 1, qn + 2 * kn);
+      load(p + "self_attn.q_proj.bias", 1, int64_t(Hq) * D, 0, int64_t(q_head0_) * D, L.qkv_bias.col_slice(0, qn), ws, 0.f);
+      load(p + "self_attn.k_proj.bias", 1, int64_t(Hkv) * D, 0, int64_t(kv_head0_) * D, L.qkv_bias.col_slice(qn, kn), ws, 0.f);
+      load(p + "self_attn.v_proj.bias", 1, int64_t(Hkv) * D, 0, int64_t(kv_head0_) * D,
+           L.qkv_bias.col_slice(qn + kn, kn), ws, 0.f);
+    }
+    if (cfg_.qk_norm) {
+      L.q_norm = alloc_tensor(nt, 1, D);
+      load(p + "self_attn.q_norm.weight", 1, D, 0, 0, L.q_norm, 0.f, norm_one);
+      L.k_norm = alloc_tensor(nt, 1, D);
+      load(p + "self_attn.k_norm.weight", 1, D, 0, 0, L.k_norm, 0.f, norm_one);
+    }
+    L.o.w = alloc_tensor(wt, H, qn);
+    load(p + "self_attn.o_proj.weight", H, int64_t(Hq) * D, 0, int64_t(q_head0_) * D, L.o.w, ws, 0.f);
+    L.gate_up.w = alloc_tensor(wt, 2 * int64_t(inter_), H);
+    load(p + "mlp.gate_proj.weight", I, H, inter0_, 0, L.gate_up.w.row_slice(0, inter_), ws, 0.f);
+    load(p + "mlp.up_proj.weight", I, H, inter0_, 0, L.gate_up.w.row_slice(inter_, inter_), ws, 0.f);
+    L.down.w = alloc_tensor(wt, H, inter_);
+    load(p + "mlp.down_proj.weight", H, I, 0, inter0_, L.down.w, ws, 0.f);
+  }
+  final_norm_ = alloc_tensor(nt, 1, H);
+  load(pre + "norm.weight", 1, H, 0, 0, final_norm_, 0.f, norm_one);
+  if (cfg_.tie_embeddings) {
+    lm_head_.w = embed_;
+  } else {
+    lm_head_.w = alloc_tensor(wt, V, H);
+    load("lm_head.weight", V, H, 0, 0, lm_head_.w, ws, 0.f);
+  }
+  weight_bytes_ = 0;
+  for (const auto& b : storage_) weight_bytes_ += b.bytes();
+  be_.synchronize();
+  if (progress) progress("loading weights", cfg_.num_layers, cfg_.num_layers);
+}
+
+void QwenModel::build_rope_table() {
+  const int rot = cfg_.rot_dim(), half = rot / 2, P = cfg_.max_position_embeddings;
+  std::vector<float> tab(size_t(P) * rot);
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < half; ++i) {
+      const float ang = float(p) * cfg_.rope_inv_freq[i];  // fp32 product, as transformers computes it
+      tab[size_t(p) * rot + i] = std::cos(ang) * cfg_.rope_attention_factor;
+      tab[size_t(p) * rot + half + i] = std::sin(ang) * cfg_.rope_attention_factor;
+    }
+  rope_table_ = alloc_tensor(DType::F32, P, rot);
+  be_.upload(rope_table_.data, tab.data(), tab.size() * 4);
+  rope_ = RopeTable{rope_table_.ptr<float>(), rot, P};
+}
+
+Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
+  const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
+  QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= lim_.max_seqs &&
+                s.max_pages <= lim_.max_pages_per_seq,
+            "step exceeds the model's limits");
+  // Metadata: one upload.
+  std::vector<int32_t> meta;
+  meta.reserve(size_t(meta_.cols));
+  auto put = [&](const std::vector<int32_t>& v) {
+    const size_t off = meta.size();
+    meta.insert(meta.end(), v.begin(), v.end());
+    return off;
+  };
+  const size_t o_tok = put(s.tokens), o_pos = put(s.positions), o_kvr = put(s.kv_rows), o_qs = put(s.q_start),
+               o_ctx = put(s.ctx_len), o_pt = put(s.page_table), o_lr = put(s.logit_rows);
+  be_.upload(meta_.data, meta.data(), meta.size() * 4);
+  const int32_t* m = meta_.ptr<int32_t>();
+  AttnBatch b;
+  b.num_seqs = S;
+  b.num_tokens = T;
+  b.q_start = m + o_qs;
+  b.ctx_len = m + o_ctx;
+  b.page_table = m + o_pt;
+  b.kv_rows = m + o_kvr;
+  b.max_pages = s.max_pages;
+  b.page_size = kv.page_size();
+  b.max_q_len = s.max_q_len;
+  b.max_ctx_len = s.max_ctx_len;
+  const int32_t* positions = m + o_pos;
+
+  const int D = cfg_.head_dim, qn = q_heads_ * D, kn = kv_heads_ * D;
+  const float eps = cfg_.rms_eps;
+  const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
+  Tensor res = residual_.row_slice(0, T), h = hidden_.row_slice(0, T), qkv = qkv_.row_slice(0, T),
+         attn = attn_.row_slice(0, T), proj = proj_.row_slice(0, T), gu = gate_up_.row_slice(0, T),
+         act = act_.row_slice(0, T);
+  Tensor q = qkv.col_slice(0, qn), k = qkv.col_slice(qn, kn), v = qkv.col_slice(qn + kn, kn);
+
+  be_.embedding(m + o_tok, embed_, res);
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    const Layer& L = layers_[l];
+    if (l == 0) be_.rms_norm(res, L.input_norm, eps, false, h);
+    else be_.add_rms_norm(res, proj, L.input_norm, eps, false, h);
+    be_.linear(h, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, qkv);
+    if (cfg_.qk_norm) {
+      be_.head_rms_norm(q, D, L.q_norm, eps, false);
+      be_.head_rms_norm(k, D, L.k_norm, eps, false);
+    }
+    be_.rope(q, D, positions, rope_);
+    be_.rope(k, D, positions, rope_);
+    KvLayer cache = kv.layer(l);
+    be_.write_kv(k, v, b, cache);
+    be_.attention(q, cache, b, shape, attn);
+    be_.linear(attn, L.o, nullptr, proj);
+    comm_.all_reduce_sum(proj);
+    be_.add_rms_norm(res, proj, L.post_norm, eps, false, h);
+    be_.linear(h, L.gate_up, nullptr, gu);
+    be_.silu_mul(gu, act);
+    be_.linear(act, L.down, nullptr, proj);
+    comm_.all_reduce_sum(proj);
+  }
+  // Only the rows that sample need the final norm and the LM head.
+  Tensor logits = logits_.row_slice(0, R);
+  if (R == 0) return logits;
+  Tensor sr = sel_res_.row_slice(0, R), sx = sel_x_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
+  be_.gather_rows(res, m + o_lr, sr);
+  be_.gather_rows(proj, m + o_lr, sx);
+  be_.add_rms_norm(sr, sx, final_norm_, eps, false, sh);
+  be_.linear(sh, lm_head_, nullptr, logits);
+  return logits;
+}
+
+}  // namespace qrt

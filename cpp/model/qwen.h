@@ -1,0 +1,84 @@
+// The Qwen2/Qwen3 dense forward pass over a ragged batch, for one tensor-parallel rank.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "core/buffer.h"
+#include "dist/comm.h"
+#include "kv/kv_cache.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace qrt {
+
+// One step as the model sees it (host memory). Built once by the scheduler, read by every rank.
+struct StepInput {
+  std::vector<int32_t> tokens;      // [T]
+  std::vector<int32_t> positions;   // [T]
+  std::vector<int32_t> kv_rows;     // [T] cache row of each token: page * page_size + offset
+  std::vector<int32_t> q_start;     // [S + 1]
+  std::vector<int32_t> ctx_len;     // [S]
+  std::vector<int32_t> page_table;  // [S, max_pages]
+  std::vector<int32_t> logit_rows;  // [R] rows of the step whose next token is sampled
+  int max_pages = 0;
+  int max_q_len = 0;
+  int max_ctx_len = 0;
+  int num_tokens() const { return int(tokens.size()); }
+  int num_seqs() const { return int(ctx_len.size()); }
+};
+
+// Where weights come from and how they are stored.
+struct WeightSpec {
+  WeightFiles* files = nullptr;  // null: random weights (load_format "dummy")
+  uint64_t dummy_seed = 0;
+  DType dtype = DType::F32;      // storage dtype of matrices and embeddings
+};
+
+struct Limits {
+  int max_tokens = 0;       // rows of one step (max_num_batched_tokens)
+  int max_seqs = 0;         // sequences of one step (max_batch_size)
+  int max_pages_per_seq = 0;
+};
+
+class QwenModel {
+ public:
+  QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,
+            const Progress& progress);
+  // Runs one step; returns logits [logit_rows, vocab] (F32, backend memory), valid until the next call.
+  // kv must have been built with kv_cols() columns.
+  Tensor forward(const StepInput& step, KvCache& kv);
+  int kv_cols() const { return kv_heads_ * cfg_.head_dim; }  // this rank's K (or V) columns per token
+  size_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  struct Layer {
+    Tensor input_norm, post_norm, q_norm, k_norm, qkv_bias;
+    Linear qkv, o, gate_up, down;
+  };
+  Tensor alloc_tensor(DType t, int64_t rows, int64_t cols);
+  void load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
+            float dummy_scale, float dummy_offset);
+  void load_weights(const Progress& progress);
+  void build_rope_table();
+
+  ModelConfig cfg_;
+  Backend& be_;
+  Comm& comm_;
+  WeightSpec ws_;
+  Limits lim_;
+  int q_heads_, kv_heads_, inter_;   // this rank's share
+  int q_head0_, kv_head0_, inter0_;  // first head / column of this rank
+  std::vector<Buffer> storage_;
+  size_t weight_bytes_ = 0;
+  uint64_t dummy_counter_ = 0;
+  Tensor embed_, final_norm_;
+  Linear lm_head_;
+  std::vector<Layer> layers_;
+  Tensor rope_table_;
+  RopeTable rope_;
+  // Workspace.
+  Tensor meta_;  // int32 metadata uploaded each step
+  Tensor residual_, hidden_, qkv_, attn_, proj_, gate_up_, act_, sel_res_, sel_x_, sel_h_, logits_;
+};
+
+}  // namespace qrt

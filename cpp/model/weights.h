@@ -1,0 +1,46 @@
+// Weight files: memory-mapped safetensors tensors, read by name into backend memory, whole or as one
+// rank's slice. Python reads the headers and hands over where each tensor lies.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/ops.h"
+
+namespace qrt {
+
+struct TensorSource {
+  std::string name;
+  std::string path;     // safetensors file
+  int64_t offset = 0;   // absolute byte offset of the data
+  int64_t nbytes = 0;
+  std::string dtype;    // safetensors name: F32, BF16, F16, F8_E4M3
+  std::vector<int64_t> shape;
+};
+
+// Progress of a long step: (what, done, total).
+using Progress = std::function<void(const std::string&, int64_t, int64_t)>;
+
+class WeightFiles {
+ public:
+  explicit WeightFiles(const std::vector<TensorSource>& tensors);
+  ~WeightFiles();
+  bool has(const std::string& name) const { return index_.count(name) > 0; }
+  // Shape of a tensor as a matrix: 1-D tensors are [1, n]. Throws std::invalid_argument if missing.
+  const TensorSource& find(const std::string& name) const;
+  // Copies rows [r0, r0 + dst.rows) and cols [c0, c0 + dst.cols) of the named tensor into dst
+  // (backend memory, any float dtype), converting the dtype. Checks the full shape first.
+  void read(Backend& be, const std::string& name, int64_t full_rows, int64_t full_cols, int64_t r0,
+            int64_t c0, Tensor& dst);
+
+ private:
+  struct Mapping { void* base = nullptr; size_t size = 0; };
+  const char* data_of(const TensorSource& t);
+  std::map<std::string, TensorSource> index_;
+  std::map<std::string, Mapping> maps_;
+};
+
+}  // namespace qrt

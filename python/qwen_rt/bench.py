@@ -1,0 +1,378 @@
+"""Benchmarks: `qwen-rt bench MODE ...` or `python -m qwen_rt.bench MODE ...`.
+
+Modes:
+  cpu   a random ~100M-parameter Qwen3 model: HF transformers' generate (its best configuration) vs
+        qwen_rt.Generator on the CPU, side by side in one run, greedy, fixed numbers of tokens.
+
+Speed is reported as output tokens/s (batch * new tokens / wall time of one generate call, prefill
+included) and as the ratio qwen_rt / best transformers at the same batch size. A JSON line records
+the run (stdout, and appended to --json PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+# The CPU benchmark model: ~100M parameters (embeddings 25.2M, 12 layers of 6.3M), tied embeddings.
+BENCH_MODEL_CPU = dict(
+    vocab_size=32768,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _csv(s: str, cast=str) -> list:
+    return [cast(x.strip()) for x in s.split(",") if x.strip()]
+
+
+def _print_table(rows, file=None, columns=None):
+    from qwen_rt.cli import print_table
+    print_table(rows, file=file, columns=columns)
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _qwen_rt_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("qwen_rt")
+    except Exception:
+        return None
+
+
+def _record(mode: str, args, extra: dict) -> dict:
+    rec = {
+        "bench": mode,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "qwen_rt": _qwen_rt_version(),
+        "argv": list(getattr(args, "argv", [])),
+    }
+    rec.update(extra)
+    return rec
+
+
+def _emit_record(rec: dict, path: str | None) -> None:
+    line = json.dumps(rec, sort_keys=False)
+    print(line)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# cpu
+
+def _build_cpu_model(workdir: Path, seed: int) -> tuple[dict[str, Path], int, dict]:
+    """Random Qwen3 model saved with transformers as float32 and bfloat16 safetensors folders."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**BENCH_MODEL_CPU)
+    model = Qwen3ForCausalLM(cfg).eval()
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    folders = {}
+    for dt_name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        d = workdir / f"qwen3-100m-{dt_name}"
+        model.to(dt).save_pretrained(d, safe_serialization=True)
+        folders[dt_name] = d
+    del model
+    return folders, n_params, dict(BENCH_MODEL_CPU)
+
+
+def _hf_load(folder: Path, dtype: str, attn: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    try:
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=tdt, attn_implementation=attn)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        m = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=tdt, attn_implementation=attn)
+    return m.eval()
+
+
+def _hf_generate(model, input_ids, new_tokens: int, cache: str):
+    import torch
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(input_ids))
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, **kw)
+        dt = time.perf_counter() - t0
+    n = out.shape[1] - input_ids.shape[1]
+    if n != new_tokens:
+        raise RuntimeError(f"generated {n} tokens, expected {new_tokens}")
+    return dt, out[:, input_ids.shape[1]:].tolist()
+
+
+def run_cpu(args) -> int:
+    import numpy as np
+    import torch
+    import transformers
+
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:
+        pass
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    batch_sizes = _csv(args.batch_sizes, int)
+    P, N = args.prompt_len, args.new_tokens
+    own_dir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="qwen_rt_bench_")) if own_dir else Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+
+    try:
+        folders, n_params, model_cfg = _build_cpu_model(workdir, args.seed)
+        log(f"bench model: Qwen3, {n_params / 1e6:.1f}M parameters (hidden {model_cfg['hidden_size']}, "
+            f"{model_cfg['num_hidden_layers']} layers, {model_cfg['num_attention_heads']}/"
+            f"{model_cfg['num_key_value_heads']} heads x {model_cfg['head_dim']}, inter "
+            f"{model_cfg['intermediate_size']}, vocab {model_cfg['vocab_size']}, tied) in {workdir}")
+        log(f"threads {threads}, prompt {P} tokens, {N} new tokens, batch sizes {batch_sizes}, "
+            f"{args.repeats} timed run(s) after one warm-up")
+        rng = np.random.default_rng(args.seed)
+        prompts = rng.integers(3, model_cfg["vocab_size"], size=(max(batch_sizes), P)).tolist()
+
+        results: list[dict] = []
+        tokens: dict[tuple, list] = {}
+
+        # -- transformers ------------------------------------------------------------------------
+        if not args.skip_hf:
+            for dtype in _csv(args.hf_dtypes):
+                for attn in _csv(args.hf_attn):
+                    try:
+                        model = _hf_load(folders.get(dtype, folders["float32"]), dtype, attn)
+                    except Exception as e:
+                        log(f"transformers {dtype}/{attn}: load failed: {type(e).__name__}: {e}")
+                        continue
+                    for cache in _csv(args.hf_cache):
+                        for bs in batch_sizes:
+                            row = {"engine": "transformers", "dtype": dtype, "variant": f"{attn}/{cache}",
+                                   "batch": bs}
+                            ids = torch.tensor(prompts[:bs], dtype=torch.long)
+                            try:
+                                _hf_generate(model, ids, N, cache)  # warm-up
+                                best, out = None, None
+                                for _ in range(args.repeats):
+                                    dt, out = _hf_generate(model, ids, N, cache)
+                                    best = dt if best is None else min(best, dt)
+                                row.update(time_s=best, tok_s=bs * N / best)
+                                tokens[("transformers", dtype, attn, cache, bs)] = out
+                            except Exception as e:
+                                row.update(time_s=None, tok_s=None, error=f"{type(e).__name__}: {e}"[:200])
+                            log(f"  transformers {dtype} {attn}/{cache} batch {bs}: "
+                                + (f"{row['tok_s']:.1f} tok/s" if row.get("tok_s") else row.get("error", "")))
+                            results.append(row)
+                    del model
+
+        # -- qwen_rt -----------------------------------------------------------------------------
+        qrt_error = None
+        if not args.skip_qwen_rt:
+            try:
+                from qwen_rt import Generator
+            except Exception as e:
+                qrt_error = f"{type(e).__name__}: {e}"
+                log(f"qwen_rt unavailable: {qrt_error}")
+                Generator = None
+            if Generator is not None:
+                for dtype in _csv(args.dtype):
+                    folder = folders.get(dtype, folders["float32"])
+                    try:
+                        gen = Generator(str(folder), device="cpu", dtype=dtype, max_batch_size=max(batch_sizes),
+                                        max_model_len=max(P + N + 16, 256), seed=args.seed)
+                    except Exception as e:
+                        log(f"qwen_rt {dtype}: Generator failed: {type(e).__name__}: {e}")
+                        results.append({"engine": "qwen_rt", "dtype": dtype, "variant": "", "batch": None,
+                                        "time_s": None, "tok_s": None, "error": f"{type(e).__name__}: {e}"[:200]})
+                        continue
+                    try:
+                        for bs in batch_sizes:
+                            row = {"engine": "qwen_rt", "dtype": dtype, "variant": "", "batch": bs}
+                            try:
+                                def once():
+                                    t0 = time.perf_counter()
+                                    outs = gen.generate(prompts[:bs], max_tokens=N, temperature=0.0, ignore_eos=True)
+                                    dt = time.perf_counter() - t0
+                                    bad = [len(o.token_ids) for o in outs if len(o.token_ids) != N]
+                                    if len(outs) != bs or bad:
+                                        raise RuntimeError(f"expected {bs} x {N} tokens, got lengths "
+                                                           f"{[len(o.token_ids) for o in outs]}")
+                                    return dt, [list(o.token_ids) for o in outs]
+                                once()  # warm-up
+                                best, out = None, None
+                                for _ in range(args.repeats):
+                                    dt, out = once()
+                                    best = dt if best is None else min(best, dt)
+                                row.update(time_s=best, tok_s=bs * N / best)
+                                tokens[("qwen_rt", dtype, bs)] = out
+                            except Exception as e:
+                                row.update(time_s=None, tok_s=None, error=f"{type(e).__name__}: {e}"[:200])
+                            log(f"  qwen_rt {dtype} batch {bs}: "
+                                + (f"{row['tok_s']:.1f} tok/s" if row.get("tok_s") else row.get("error", "")))
+                            results.append(row)
+                    finally:
+                        gen.close()
+
+        # -- ratios ------------------------------------------------------------------------------
+        best_hf = {}
+        best_hf_dtype = {}
+        for r in results:
+            if r["engine"] == "transformers" and r.get("tok_s"):
+                b = r["batch"]
+                if r["tok_s"] > best_hf.get(b, (0, ""))[0]:
+                    best_hf[b] = (r["tok_s"], f"{r['dtype']} {r['variant']}")
+                k = (b, r["dtype"])
+                best_hf_dtype[k] = max(best_hf_dtype.get(k, 0.0), r["tok_s"])
+        for r in results:
+            if r["engine"] == "qwen_rt" and r.get("tok_s") and r["batch"] in best_hf:
+                r["x_best_hf"] = r["tok_s"] / best_hf[r["batch"]][0]
+                if (r["batch"], r["dtype"]) in best_hf_dtype:
+                    r["x_hf_same_dtype"] = r["tok_s"] / best_hf_dtype[(r["batch"], r["dtype"])]
+
+        # Greedy agreement (information only: random weights give flat logits, so near-ties may flip).
+        agreement = {}
+        for (eng, *rest), toks in tokens.items():
+            if eng != "qwen_rt":
+                continue
+            dtype, bs = rest
+            ref = tokens.get(("transformers", dtype, "sdpa", "dynamic", bs)) or next(
+                (v for k, v in tokens.items() if k[0] == "transformers" and k[1] == dtype and k[-1] == bs), None)
+            if ref is None:
+                continue
+            prefix = []
+            for a, b in zip(toks, ref):
+                n = 0
+                while n < min(len(a), len(b)) and a[n] == b[n]:
+                    n += 1
+                prefix.append(n)
+            agreement[f"{dtype}/b{bs}"] = {"min_common_prefix": min(prefix), "mean_common_prefix":
+                                           sum(prefix) / len(prefix), "of": N}
+
+        print("", file=sys.stderr)
+        cols = ["engine", "dtype", "variant", "batch", "time_s", "tok_s", "x_best_hf", "x_hf_same_dtype", "error"]
+        if not any("error" in r for r in results):
+            cols.remove("error")
+        _print_table(results, file=sys.stderr, columns=cols)
+        summary = []
+        for b in batch_sizes:
+            q = [r for r in results if r["engine"] == "qwen_rt" and r["batch"] == b and r.get("tok_s")]
+            qbest = max(q, key=lambda r: r["tok_s"]) if q else None
+            summary.append({
+                "batch": b,
+                "best transformers": f"{best_hf[b][0]:.1f} tok/s ({best_hf[b][1]})" if b in best_hf else "-",
+                "best qwen_rt": f"{qbest['tok_s']:.1f} tok/s ({qbest['dtype']})" if qbest else "-",
+                "qwen_rt / transformers": (qbest["tok_s"] / best_hf[b][0]) if (qbest and b in best_hf) else None,
+            })
+        print("", file=sys.stderr)
+        _print_table(summary, file=sys.stderr)
+        if agreement:
+            print("greedy agreement with transformers (common prefix of token ids, of "
+                  f"{N}): " + ", ".join(f"{k}: min {v['min_common_prefix']}" for k, v in agreement.items()),
+                  file=sys.stderr)
+        if qrt_error:
+            print(f"qwen_rt was not measured: {qrt_error}", file=sys.stderr)
+
+        rec = _record("cpu", args, {
+            "threads": threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "model": {"params": n_params, **{k: model_cfg[k] for k in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings")}},
+            "prompt_len": P,
+            "new_tokens": N,
+            "repeats": args.repeats,
+            "results": results,
+            "ratio_vs_best_hf": {str(s["batch"]): s["qwen_rt / transformers"] for s in summary},
+            "greedy_agreement": agreement,
+            "qwen_rt_error": qrt_error,
+        })
+        _emit_record(rec, args.json)
+        return 0
+    finally:
+        if own_dir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+MODES = {"cpu": run_cpu}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-rt bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", metavar="MODE")
+    p = sub.add_parser("cpu", help="random ~100M Qwen3 on the CPU: transformers vs qwen_rt")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32,bfloat16", help="qwen_rt dtypes, comma-separated")
+    p.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes, comma-separated")
+    p.add_argument("--hf-attn", default="sdpa,eager", help="transformers attention implementations")
+    p.add_argument("--hf-cache", default="dynamic,static", help="transformers KV caches")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up; the best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="measure qwen_rt only")
+    p.add_argument("--skip-qwen-rt", action="store_true", help="measure transformers only")
+    p.add_argument("--workdir", default=None, help="where the model is written (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--json", default=None, metavar="PATH", help="append the JSON record to PATH")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["cpu"] + argv  # default mode
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
+        parser.error("--prompt-len, --new-tokens and --repeats must be >= 1")
+    return MODES[args.mode](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

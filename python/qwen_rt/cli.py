@@ -1,0 +1,259 @@
+"""`qwen-rt` command line: generate, bench, info."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import IO, Sequence
+
+__all__ = ["main", "print_table"]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        a = abs(v)
+        if a == 0 or 0.01 <= a < 1e6:
+            return f"{v:.3f}" if a < 10 else (f"{v:.2f}" if a < 1000 else f"{v:.1f}")
+        return f"{v:.3g}"
+    return str(v)
+
+
+def print_table(rows: list[dict], file: IO[str] | None = None, columns: Sequence[str] | None = None) -> None:
+    """Prints rows (dicts) as a table with aligned columns; numbers are right-aligned."""
+    file = sys.stdout if file is None else file
+    if not rows:
+        return
+    if columns is None:
+        columns = []
+        for r in rows:
+            for k in r:
+                if k not in columns:
+                    columns.append(k)
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in columns]
+    widths = [max(len(str(c)), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+
+    def line(vals, align=True):
+        out = []
+        for i, v in enumerate(vals):
+            out.append(v.rjust(widths[i]) if (align and numeric[i]) else v.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    print(line([str(c) for c in columns], align=False), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print(line(row), file=file)
+    file.flush()
+
+
+# ----------------------------------------------------------------------------------------------------
+# generate
+
+_SAMPLING_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "seed", "logprobs")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt",
+                       description="Generate text for one prompt ('-' reads it from stdin).")
+    p.add_argument("prompt")
+    p.add_argument("--model", "-m", required=True,
+                   help="local folder, hub id, or packaged config name (with --load-format dummy)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="print the top-N logprobs per token")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False (Qwen3)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    try:
+        from qwen_rt import Generator  # lazily: the native module loads here
+    except ImportError as e:
+        print(f"qwen-rt: error: cannot load the qwen_rt runtime ({e})", file=sys.stderr)
+        return 1
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    gen_kwargs = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
+                      tensor_parallel_size=args.tensor_parallel_size)
+    if args.max_model_len is not None:
+        gen_kwargs["max_model_len"] = args.max_model_len
+    if args.max_batch_size is not None:
+        gen_kwargs["max_batch_size"] = args.max_batch_size
+    if args.revision is not None:
+        gen_kwargs["revision"] = args.revision
+    sampling = {k: getattr(args, k) for k in _SAMPLING_ARGS if getattr(args, k) is not None}
+    if args.stop:
+        sampling["stop"] = list(args.stop)
+    if args.ignore_eos:
+        sampling["ignore_eos"] = True
+
+    t_load = time.perf_counter()
+    with Generator(args.model, **gen_kwargs) as gen:
+        load_s = time.perf_counter() - t_load
+        if args.chat:
+            if gen.tokenizer is None:
+                print("error: --chat needs a tokenizer, and this model has none", file=sys.stderr)
+                return 2
+            extra = {"enable_thinking": False} if args.no_thinking else {}
+            prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                       add_generation_prompt=True, **extra)
+        t0 = time.perf_counter()
+        t_first = None
+        pieces: list[str] = []
+        req = gen.submit(prompt, **sampling)
+        try:
+            for delta in req:
+                if t_first is None and delta.token_ids:
+                    t_first = time.perf_counter()
+                if delta.text:
+                    pieces.append(delta.text)
+                    if args.stream:
+                        sys.stdout.write(delta.text)
+                        sys.stdout.flush()
+        except KeyboardInterrupt:
+            req.cancel()
+            print("\n[cancelled]", file=sys.stderr)
+        comp = req.result()
+        t_end = time.perf_counter()
+        tok = gen.tokenizer
+
+    text = comp.text if comp.text is not None else "".join(pieces)
+    if args.stream:
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+    if args.logprobs and comp.logprobs:
+        rows = []
+        for tid, lp in zip(comp.token_ids, comp.logprobs):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[: args.logprobs]
+            rows.append({
+                "token": repr(tok.decode([tid], skip_special_tokens=False)) if tok else "",
+                "id": tid,
+                "logprob": float(lp.get(tid, float("nan"))),
+                "top": " ".join(f"{i}:{v:.2f}" for i, v in top),
+            })
+        print_table(rows, file=sys.stderr)
+
+    n_out = len(comp.token_ids)
+    ttft = (t_first - t0) if t_first is not None else None
+    decode_tps = ((n_out - 1) / (t_end - t_first)) if (t_first is not None and n_out > 1 and t_end > t_first) else None
+    stats = [
+        {"metric": "prompt tokens", "value": len(comp.prompt_token_ids)},
+        {"metric": "output tokens", "value": n_out},
+        {"metric": "finish reason", "value": comp.finish_reason},
+        {"metric": "load time (s)", "value": load_s},
+        {"metric": "time to first token (s)", "value": ttft},
+        {"metric": "total time (s)", "value": t_end - t0},
+        {"metric": "output tokens/s", "value": n_out / (t_end - t0) if t_end > t0 else None},
+        {"metric": "decode tokens/s", "value": decode_tps},
+    ]
+    print_table(stats, file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# info
+
+def _cmd_info(args) -> int:
+    import importlib
+    import platform
+
+    from qwen_rt import model_files
+
+    rows = []
+    try:
+        from importlib.metadata import version as _dist_version
+        ver = _dist_version("qwen_rt")
+    except Exception:
+        ver = None
+    try:
+        pkg = importlib.import_module("qwen_rt")
+        ver = getattr(pkg, "__version__", None) or ver
+    except Exception as e:  # the package imports the native module; say why it failed
+        rows.append({"item": "import qwen_rt", "value": f"failed: {type(e).__name__}: {e}"})
+    rows.insert(0, {"item": "version", "value": ver or "unknown"})
+    rows.append({"item": "python", "value": platform.python_version()})
+    try:
+        core = importlib.import_module("qwen_rt._core")
+    except Exception as e:
+        rows.append({"item": "native module", "value": f"not available ({type(e).__name__}: {e})"})
+        core = None
+    if core is not None:
+        rows.append({"item": "native module", "value": getattr(core, "__file__", "built-in")})
+        built = None
+        for attr in ("built_with_cuda", "cuda_built", "has_cuda"):
+            if hasattr(core, attr):
+                v = getattr(core, attr)
+                built = bool(v() if callable(v) else v)
+                break
+        rows.append({"item": "built with CUDA", "value": "unknown" if built is None else ("yes" if built else "no")})
+        try:
+            n = int(core.cuda_device_count())
+            rows.append({"item": "CUDA devices", "value": n})
+            names = getattr(core, "cuda_device_name", None)
+            if callable(names):
+                for i in range(n):
+                    rows.append({"item": f"  cuda:{i}", "value": names(i)})
+        except Exception as e:
+            rows.append({"item": "CUDA devices", "value": f"unknown ({type(e).__name__}: {e})"})
+    rows.append({"item": "packaged configs", "value": ", ".join(model_files.packaged_configs())})
+    print_table(rows, file=sys.stdout)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-rt", description="Fast Qwen inference (qwen_rt).")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,bench,info}")
+    _add_generate(sub)
+    sub.add_parser("bench", help="benchmarks (see `qwen-rt bench -h`)", add_help=False)
+    pi = sub.add_parser("info", help="version, native build, devices, packaged configs")
+    pi.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from qwen_rt import bench
+        return bench.main(argv[1:])
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"qwen-rt: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

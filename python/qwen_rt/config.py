@@ -1,0 +1,121 @@
+"""From a Hugging Face config.json to the native ModelConfig: architecture, shapes, RoPE."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3"}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    if archs:
+        raise ValueError(f"unsupported model architecture {archs[0]!r} (supported: {', '.join(ARCHITECTURES)})")
+    mt = cfg.get("model_type")
+    if mt in MODEL_TYPES:
+        return MODEL_TYPES[mt]
+    raise ValueError(f"unsupported model type {mt!r} (supported: {', '.join(ARCHITECTURES)})")
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """RoPE settings in transformers 5 form, from rope_parameters or the older rope_scaling/rope_theta."""
+    p = dict(cfg.get("rope_parameters") or {})
+    old = cfg.get("rope_scaling") or {}
+    for k, v in old.items():
+        p.setdefault(k, v)
+    p.setdefault("rope_type", p.get("type", "default"))
+    if p.get("rope_theta") is None:
+        p["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if "partial_rotary_factor" not in p and "partial_rotary_factor" in cfg:
+        p["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    return p
+
+
+def rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies (float32, computed as transformers does) and the attention factor."""
+    p = _rope_parameters(cfg)
+    base = float(p["rope_theta"])
+    dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+    kind = p["rope_type"]
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return (inv / np.float32(p["factor"])).astype(np.float32), 1.0
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, yarn)")
+    max_pos = cfg["max_position_embeddings"]
+    orig = p.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    factor = p.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        ms, msa = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = get_mscale(factor, ms) / get_mscale(factor, msa) if ms and msa else get_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extra = (np.float32(1) - ramp).astype(np.float32)
+    inv_interp = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    out = inv_interp * (np.float32(1) - extra) + inv * extra
+    return out.astype(np.float32), float(attention_factor)
+
+
+def stored_dtype(cfg: dict) -> str:
+    d = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return d if d in FLOAT_DTYPES else "bfloat16"
+
+
+def native_config(cfg: dict) -> "_core.ModelConfig":
+    """Checks config.json and converts it; ValueError naming what is missing or unsupported."""
+    arch = architecture(cfg)
+    c = _core.ModelConfig()
+    c.arch = arch
+
+    def need(key):
+        if key not in cfg or cfg[key] is None:
+            raise ValueError(f"config.json lacks {key!r}")
+        return cfg[key]
+
+    c.vocab_size = int(need("vocab_size"))
+    c.hidden_size = int(need("hidden_size"))
+    c.num_layers = int(need("num_hidden_layers"))
+    c.num_q_heads = int(need("num_attention_heads"))
+    c.num_kv_heads = int(cfg.get("num_key_value_heads") or c.num_q_heads)
+    c.head_dim = int(cfg.get("head_dim") or c.hidden_size // c.num_q_heads)
+    c.intermediate_size = int(need("intermediate_size"))
+    c.rms_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    c.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
+    c.attn_bias = True if arch == "qwen2" else bool(cfg.get("attention_bias", False))
+    c.qk_norm = arch == "qwen3"
+    c.max_position_embeddings = int(need("max_position_embeddings"))
+    inv, af = rope_inv_freq(cfg, c.head_dim)
+    c.rope_inv_freq = [float(x) for x in inv]
+    c.rope_attention_factor = af
+    c.weight_prefix = "model."
+    c.stored_dtype = stored_dtype(cfg)
+    return c

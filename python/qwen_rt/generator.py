@@ -1,0 +1,435 @@
+"""Generator: the user's handle on a model running in the native engine."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from typing import Iterable, Iterator
+
+from . import _core
+from .config import FLOAT_DTYPES, native_config
+from .model_files import resolve, text_config
+from .sampling import Completion, Delta, SamplingParams
+from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+__all__ = ["Generator", "Request"]
+
+_POLL_S = 0.2  # wait slice: short enough for Ctrl-C to be seen
+
+
+def _parse_device(device) -> tuple[str, int]:
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str, got {type(device).__name__}")
+    d = device.strip().lower()
+    if d == "auto":
+        return ("cuda", 0) if _core.cuda_device_count() > 0 else ("cpu", 0)
+    if d == "cpu":
+        return "cpu", 0
+    if d == "cuda":
+        return "cuda", 0
+    if d.startswith("cuda:") and d[5:].isdigit():
+        return "cuda", int(d[5:])
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _resolve_dtypes(device: str, dtype, stored: str) -> tuple[str, str]:
+    """(weight dtype, activation dtype) for a device and the user's dtype."""
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
+    if dtype != "auto" and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
+    if device == "cpu":  # the CPU computes in float32; weights stay as stored unless told otherwise
+        return (stored if dtype == "auto" else dtype), "float32"
+    w = ("bfloat16" if stored == "float32" else stored) if dtype == "auto" else dtype
+    return w, w
+
+
+class _Progress:
+    """Progress bar for long native steps (tqdm when available)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=total, desc=what, unit="layer", leave=False)
+            except ImportError:
+                self.bar = False
+        if self.bar:
+            self.bar.n = done
+            self.bar.refresh()
+        elif done == total or done % max(1, total // 10) == 0:
+            print(f"{what}: {done}/{total}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+class Request:
+    """One submitted request. Iterate for Delta objects, or call result(); cancel() stops it."""
+
+    def __init__(self, gen: "Generator", rid: int, prompt_ids: list[int], params: SamplingParams):
+        self._gen = gen
+        self._rid = rid
+        self.prompt_token_ids = prompt_ids
+        self.params = params
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(gen.tokenizer) if gen.tokenizer is not None else None
+        stops = params.stop_strings()
+        self._stop = StopMatcher(stops) if stops else None
+        self._lock = threading.Lock()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _poll(self, timeout: float) -> Delta | None:
+        """Fetches what the engine produced; returns a Delta, or None if nothing came within timeout."""
+        if self.finished:
+            return None
+        out = self._gen._engine_call("wait", self._rid, timeout)
+        if out.error:
+            self.finish_reason = "error"
+            raise RuntimeError(out.error)
+        tokens = list(out.tokens)
+        reason = out.finish_reason
+        if not tokens and reason is None:
+            return None
+        if self.logprobs is not None:
+            n = out.top_n
+            for i, t in enumerate(tokens):
+                d = {int(out.top_ids[i * n + j]): float(out.top_logprobs[i * n + j]) for j in range(n)}
+                d[int(t)] = float(out.logprobs[i])
+                self.logprobs.append(d)
+        # The stop token itself (eos / stop_token_ids) is kept in token_ids but not in the text.
+        text_tokens = tokens[:-1] if reason == "stop" and tokens else tokens
+        text = self._detok.push(text_tokens) if self._detok else ""
+        if reason is not None and self._detok:
+            text += self._detok.flush()
+        stopped = False
+        if self._stop is not None:
+            text, stopped = self._stop.feed(text)
+            if reason is not None and not stopped:
+                text += self._stop.flush()
+        self.token_ids.extend(tokens)
+        self.text += text
+        if stopped and reason is None:  # a stop string: end the request in the engine now
+            reason = "stop"
+            self._gen._engine_call("cancel", self._rid)
+            self._drain()
+        elif stopped:
+            reason = "stop"
+        self.finish_reason = reason
+        return Delta(text=text, token_ids=tokens, finish_reason=reason)
+
+    def _drain(self):
+        while True:
+            out = self._gen._engine_call("wait", self._rid, _POLL_S)
+            if out.finish_reason is not None:
+                return
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while not self.finished:
+                d = self._poll(_POLL_S)
+                if d is not None and (d.token_ids or d.text or d.finish_reason):
+                    yield d
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    def result(self) -> Completion:
+        while not self.finished:
+            self._poll(_POLL_S)
+        return self.completion()
+
+    def completion(self) -> Completion:
+        return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "",
+                          prompt_token_ids=list(self.prompt_token_ids), logprobs=self.logprobs)
+
+    def cancel(self) -> None:
+        if self.finished:
+            return
+        self._gen._engine_call("cancel", self._rid)
+        try:
+            while not self.finished:
+                out = self._gen._engine_call("wait", self._rid, _POLL_S)
+                self.token_ids.extend(out.tokens)
+                if out.finish_reason is not None:
+                    self.finish_reason = "cancelled" if out.finish_reason in ("cancelled", "error") else out.finish_reason
+        except (ValueError, RuntimeError):
+            self.finish_reason = "cancelled"
+
+
+class Generator:
+    """Loads a Qwen model into the native engine and generates text.
+
+    See docs/API.md for every argument. The engine runs on its own threads; generate/stream/chat may be
+    called from several Python threads at once.
+    """
+
+    def __init__(self, model, *, device="auto", dtype="auto", max_batch_size: int = 32,
+                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
+                 revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
+                 progress: bool = True):
+        self._engine = None
+        for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                            ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
+                            ("seed", seed, 0), ("num_threads", num_threads, 0)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
+            raise TypeError("max_model_len must be an int or None")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int)):
+            raise TypeError("kv_cache_memory must be an int (bytes) or None")
+        if kv_cache_memory is not None and kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be > 0")
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        dev, index = _parse_device(device)
+
+        files = resolve(model, load_format=load_format, revision=revision)
+        self.config = text_config(files.config)
+        self.generation_config = dict(files.generation_config)
+        ncfg = native_config(self.config)
+        self.tokenizer: Tokenizer | None = Tokenizer.from_dir(files.root) if files.root else None
+        wdt, adt = _resolve_dtypes(dev, dtype, ncfg.stored_dtype)
+
+        opts = _core.EngineOptions()
+        opts.device = dev
+        opts.device_index = index
+        opts.weight_dtype = wdt
+        opts.act_dtype = adt
+        opts.max_batch_size = max_batch_size
+        opts.max_model_len = max_model_len or 0
+        opts.max_num_batched_tokens = max_num_batched_tokens
+        opts.page_size = page_size
+        opts.kv_cache_memory = kv_cache_memory or 0
+        opts.gpu_memory_utilization = float(gpu_memory_utilization)
+        opts.tensor_parallel_size = tensor_parallel_size
+        opts.dummy_weights = load_format == "dummy"
+        opts.seed = seed
+        opts.num_threads = num_threads
+        opts.cuda_graphs = cuda_graphs
+        tensors = [] if opts.dummy_weights else [
+            _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
+            for t in files.tensors.values()]
+        bar = _Progress(progress and os.environ.get("QWEN_RT_PROGRESS", "1") != "0")
+        try:
+            self._engine = _core.Engine(ncfg, tensors, opts, bar)
+        finally:
+            bar.close()
+        self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
+        self.dtype = adt
+        self.weight_dtype = wdt
+        self.vocab_size = ncfg.vocab_size
+        self.max_model_len = self._engine.stats()["max_model_len"]
+        self._defaults = self._sampling_defaults()
+        self._eos = self._eos_ids()
+
+    # -- setup helpers -----------------------------------------------------------------------------
+
+    def _sampling_defaults(self) -> dict:
+        g = self.generation_config
+        d = {}
+        for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+            if g.get(k) is not None:
+                d[k] = g[k]
+        if g.get("do_sample") is False:
+            d["temperature"] = 0.0
+        if g.get("max_new_tokens") is not None:
+            d["max_tokens"] = g["max_new_tokens"]
+        return d
+
+    def _eos_ids(self) -> list[int]:
+        for src in (self.generation_config.get("eos_token_id"), self.config.get("eos_token_id")):
+            if src is not None:
+                ids = [src] if isinstance(src, int) else list(src)
+                return [i for i in ids if 0 <= i < self.vocab_size]
+        return list(self.tokenizer.eos_token_ids) if self.tokenizer else []
+
+    def _engine_call(self, name, *args):
+        if self._engine is None:
+            raise RuntimeError("the Generator is closed")
+        return getattr(self._engine, name)(*args)
+
+    # -- request building --------------------------------------------------------------------------
+
+    def _params(self, sampling, kwargs) -> SamplingParams:
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if kwargs:
+            sampling = sampling.replace(**kwargs)
+        p = sampling.resolved(self._defaults)
+        p.validate(self.vocab_size)
+        return p
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a token-id prompt must be a list of int")
+            ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _check_length(self, ids: list[int], p: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if len(ids) + p.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len "
+                             f"{self.max_model_len}")
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts is empty")
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                return [list(prompts)]
+            if all(isinstance(p, (str, list, tuple)) for p in prompts):
+                return list(prompts)
+        raise TypeError("prompts must be a str, a list of str, a list of token ids or a list of lists of token ids")
+
+    def _native_sampling(self, p: SamplingParams) -> "_core.SamplingOptions":
+        s = _core.SamplingOptions()
+        s.temperature = float(p.temperature)
+        s.top_k = int(p.top_k)
+        s.top_p = float(p.top_p)
+        s.min_p = float(p.min_p)
+        s.repetition_penalty = float(p.repetition_penalty)
+        s.presence_penalty = float(p.presence_penalty)
+        s.frequency_penalty = float(p.frequency_penalty)
+        s.seed = -1 if p.seed is None else int(p.seed)
+        s.max_tokens = int(p.max_tokens)
+        s.min_tokens = int(p.min_tokens)
+        s.logprobs = int(p.logprobs or 0)
+        s.ignore_eos = bool(p.ignore_eos)
+        s.stop_token_ids = list(p.stop_token_ids or [])
+        s.eos_token_ids = list(self._eos)
+        return s
+
+    def _submit_many(self, prompts, sampling, kwargs) -> list[Request]:
+        p = self._params(sampling, kwargs)
+        ids_list = [self._prompt_ids(x) for x in self._prompt_list(prompts)]
+        for ids in ids_list:
+            self._check_length(ids, p)
+        native = self._native_sampling(p)
+        reqs: list[Request] = []
+        try:
+            for ids in ids_list:
+                reqs.append(Request(self, self._engine_call("submit", ids, native), ids, p))
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+        return reqs
+
+    # -- public API --------------------------------------------------------------------------------
+
+    def submit(self, prompt, sampling: SamplingParams | None = None, **kwargs) -> Request:
+        """Queues one prompt and returns its Request at once."""
+        if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
+            raise TypeError("submit takes one prompt: a str or a list of token ids")
+        return self._submit_many(prompt, sampling, kwargs)[0]
+
+    def generate(self, prompts, sampling: SamplingParams | None = None, **kwargs) -> list[Completion]:
+        """Generates for one or many prompts (batched together); returns one Completion per prompt."""
+        reqs = self._submit_many(prompts, sampling, kwargs)
+        try:
+            return [r.result() for r in reqs]
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, **kwargs) -> Iterator[Delta]:
+        """Yields Deltas as tokens arrive; leaving the loop early cancels the request."""
+        req = self.submit(prompt, sampling, **kwargs)
+        yield from req
+
+    def chat(self, messages, sampling: SamplingParams | None = None, *, chat_template_kwargs: dict | None = None,
+             **kwargs) -> Completion:
+        """Applies the tokenizer's chat template (with the generation prompt) and generates the reply."""
+        return self.generate([self.chat_prompt(messages, **(chat_template_kwargs or {}))], sampling, **kwargs)[0]
+
+    def chat_prompt(self, messages, **template_kwargs) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return self.tokenizer.encode(text)
+
+    async def agenerate(self, prompts, sampling: SamplingParams | None = None, **kwargs) -> list[Completion]:
+        reqs = self._submit_many(prompts, sampling, kwargs)
+        try:
+            return [await asyncio.to_thread(r.result) for r in reqs]
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+
+    async def astream(self, prompt, sampling: SamplingParams | None = None, **kwargs):
+        req = self.submit(prompt, sampling, **kwargs)
+        it = iter(req)
+        done = object()
+        try:
+            while True:
+                d = await asyncio.to_thread(next, it, done)
+                if d is done:
+                    return
+                yield d
+        finally:
+            if not req.finished:
+                req.cancel()
+
+    def stats(self) -> dict:
+        return self._engine_call("stats")
+
+    def close(self) -> None:
+        """Stops the engine and frees every byte it took (idempotent)."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

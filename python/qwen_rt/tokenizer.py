@@ -1,0 +1,281 @@
+"""Tokenizer (HF `tokenizers`), chat templates (jinja2, rendered like transformers), incremental
+detokenization and stop-string matching. No torch, no transformers."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "StopMatcher"]
+
+
+def _token_content(tok) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict) and isinstance(tok.get("content"), str):
+        return tok["content"]
+    return None
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _normalize_messages(messages) -> list[dict]:
+    # As transformers does: keys whose value is None are dropped; reasoning under older names is also
+    # passed as "reasoning_content" (and "thinking").
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {type(m).__name__}")
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+class Tokenizer:
+    """A model's tokenizer.json plus what tokenizer_config.json says about special tokens and the chat
+    template."""
+
+    def __init__(self, tokenizer, tokenizer_config: dict | None = None, chat_template: str | None = None):
+        self._tok = tokenizer  # tokenizers.Tokenizer
+        cfg = dict(tokenizer_config or {})
+        self.config = cfg
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_tokens: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+            content = _token_content(cfg.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.pad_token = self.special_tokens.get("pad_token")
+        self.eos_token_ids: list[int] = []
+        if self.eos_token is not None:
+            tid = tokenizer.token_to_id(self.eos_token)
+            if tid is not None:
+                self.eos_token_ids.append(tid)
+        self.pad_token_id = tokenizer.token_to_id(self.pad_token) if self.pad_token else None
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.chat_template = chat_template if chat_template is not None else self._template_from_config(cfg)
+
+    @staticmethod
+    def _template_from_config(cfg: dict) -> str | None:
+        t = cfg.get("chat_template")
+        if isinstance(t, str):
+            return t
+        if isinstance(t, list):
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            if isinstance(named.get("default"), str):
+                return named["default"]
+        return None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike | None) -> "Tokenizer | None":
+        """Loads tokenizer.json (+ tokenizer_config.json, chat_template.jinja) from a folder; None when
+        the folder has no tokenizer.json."""
+        if path is None:
+            return None
+        root = Path(path)
+        tj = root / "tokenizer.json"
+        if not tj.is_file():
+            return None
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        try:
+            tok = _HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise ValueError(f"{tj}: cannot load tokenizer ({e})") from e
+        cfg: dict = {}
+        cp = root / "tokenizer_config.json"
+        if cp.is_file():
+            try:
+                cfg = json.loads(cp.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"{cp}: not valid JSON ({e})") from e
+        template = None
+        jp = root / "chat_template.jinja"
+        if jp.is_file():  # as in transformers, the separate file wins over tokenizer_config's entry
+            template = jp.read_text(encoding="utf-8")
+        return cls(tok, cfg, template)
+
+    # -- encode / decode ------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, id: int) -> str | None:
+        return self._tok.id_to_token(int(id))
+
+    # -- chat template ---------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """Renders messages with the model's chat template, as transformers'
+        apply_chat_template(..., tokenize=False) does. kwargs reach the template (tools, documents,
+        enable_thinking, ...); a `chat_template` kwarg replaces the model's template."""
+        template = kwargs.pop("chat_template", None) or self.chat_template
+        if not template:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja)")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if len(messages) == 0:
+            raise ValueError("messages is empty")
+        tools = kwargs.pop("tools", None)
+        documents = kwargs.pop("documents", None)
+        variables = {**self.special_tokens, **kwargs}
+        return _compile_template(template).render(
+            messages=_normalize_messages(messages), tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **variables)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing stream of token ids into text deltas.
+
+    Decodes only a short window: ids[prefix_offset:read_offset] is text already emitted (kept as
+    context, so that decoders which treat a sequence's start specially agree with a full decode), and
+    ids[read_offset:] the ids not yet emitted. Text that ends in U+FFFD (an incomplete UTF-8 sequence)
+    is held back until it completes, or until flush().
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, ids: Iterable[int]) -> str:
+        new = [int(i) for i in ids]
+        if not new:
+            return ""
+        self.ids.extend(new)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") or not new_text.startswith(prefix_text):
+            return ""  # incomplete character: wait for more ids
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emits what is held back (an incomplete character becomes U+FFFD, as in a full decode)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if new_text.startswith(prefix_text):
+            delta = new_text[len(prefix_text):]
+        else:  # cannot happen for byte-level/sentencepiece decoders; fall back to a full decode
+            full = self._decode(self.ids)
+            delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text.
+
+    feed() returns the text that is safe to emit and whether a stop string was reached. The longest tail
+    that could begin a stop string is held back. The stop reached is the one whose first occurrence
+    ends earliest in the text (ties: the longest), so the result does not depend on how the text was
+    split into feeds; the stop string itself and anything after it are never emitted.
+    """
+
+    def __init__(self, stops: list[str] | str | None):
+        if stops is None:
+            stops = []
+        if isinstance(stops, str):
+            stops = [stops]
+        stops = list(stops)
+        for s in stops:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+            if s == "":
+                raise ValueError("stop strings must not be empty")
+        self.stops = list(dict.fromkeys(stops))
+        self._max = max((len(s) for s in self.stops), default=0)
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None  # the stop string reached
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        best = None  # (end, -len, start, stop)
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0:
+                cand = (i + len(s), -len(s), i, s)
+                if best is None or cand < best:
+                    best = cand
+        if best is not None:
+            self.stopped = True
+            self.matched = best[3]
+            self._held = ""
+            return buf[:best[2]], True
+        keep = 0
+        for k in range(min(len(buf), self._max - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return (buf[:len(buf) - keep] if keep else buf), False
+
+    def flush(self) -> str:
+        """Held-back text, when the request ends without reaching a stop string."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out

@@ -1,0 +1,199 @@
+"""Bad input raises ValueError / TypeError naming the problem, before anything runs; the
+generator keeps serving correct results afterwards."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import models as M
+import qwen_rt
+
+NAME = "qwen3_gqa2_tied"
+MAX_LEN = 64
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(build):
+    return build(NAME)
+
+
+@pytest.fixture(scope="module")
+def gen(folder, make_gen):
+    return make_gen(folder, max_batch_size=4, max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def good(folder):
+    (p,) = M.pick_prompts(folder, seed=600, lengths=[10], max_new=6)
+    return p, M.hf_greedy(folder, p, 6)
+
+
+def assert_still_serves(gen, good):
+    p, ref = good
+    s = gen.stats()
+    assert s["running"] == 0 and s["waiting"] == 0, s
+    (c,) = gen.generate([p], max_tokens=6, **GREEDY)
+    assert c.token_ids == ref
+
+
+def V(folder):
+    return M.model_info(folder)["vocab_size"]
+
+
+# (id, prompt maker, kwargs, exception, regex the message must match)
+BAD_REQUESTS = [
+    ("empty-str", lambda v: "", {}, ValueError, r"(?i)empty|prompt"),
+    ("empty-ids", lambda v: [], {}, ValueError, r"(?i)empty|prompt"),
+    ("empty-in-list", lambda v: [[5, 6], []], {}, ValueError, r"(?i)empty|prompt"),
+    ("id-negative", lambda v: [5, -1, 6], {}, ValueError, r"(?i)vocab|token id|range|-1"),
+    ("id-vocab", lambda v: [5, v], {}, ValueError, r"(?i)vocab|token id|range"),
+    ("id-vocab-in-batch", lambda v: [[5, 6], [7, v + 100]], {}, ValueError,
+     r"(?i)vocab|token id|range"),
+    ("too-long", lambda v: [5] * (MAX_LEN + 1), {"max_tokens": 1}, ValueError,
+     r"(?i)max_model_len|too long|length"),
+    ("prompt-plus-max-tokens", lambda v: [5] * (MAX_LEN - 4), {"max_tokens": 5}, ValueError,
+     r"(?i)max_model_len|max_tokens"),
+    ("temperature-negative", lambda v: [5], {"temperature": -0.5}, ValueError, r"temperature"),
+    ("temperature-nan", lambda v: [5], {"temperature": math.nan}, ValueError, r"temperature"),
+    ("top-p-zero", lambda v: [5], {"top_p": 0.0}, ValueError, r"top_p"),
+    ("top-p-big", lambda v: [5], {"top_p": 1.5}, ValueError, r"top_p"),
+    ("top-k-negative", lambda v: [5], {"top_k": -1}, ValueError, r"top_k"),
+    ("min-p-big", lambda v: [5], {"min_p": 1.5}, ValueError, r"min_p"),
+    ("max-tokens-negative", lambda v: [5], {"max_tokens": -1}, ValueError, r"max_tokens"),
+    ("repetition-penalty-zero", lambda v: [5], {"repetition_penalty": 0.0}, ValueError,
+     r"repetition_penalty"),
+    ("logprobs-negative", lambda v: [5], {"logprobs": -1}, ValueError, r"logprobs"),
+    ("unknown-keyword", lambda v: [5], {"bogus_option": 1}, TypeError, r"bogus_option"),
+    ("prompt-float", lambda v: 3.5, {}, TypeError, r"(?i)prompt|float"),
+    ("prompt-float-ids", lambda v: [1.0, 2.0], {}, TypeError, r"(?i)prompt|int|float"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request(folder, gen, good, case):
+    _, make_prompt, kw, exc, pattern = case
+    prompt = make_prompt(V(folder))
+    kw = dict(kw)
+    kw.setdefault("max_tokens", 4)
+    with pytest.raises(exc, match=pattern):
+        gen.generate(prompt, **kw)
+    assert_still_serves(gen, good)
+    # The same problem is caught by submit() and stream() as well.
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], list):
+        with pytest.raises(exc, match=pattern):
+            gen.submit(prompt, **kw)
+        with pytest.raises(exc, match=pattern):
+            list(gen.stream(prompt, **kw))
+        assert_still_serves(gen, good)
+
+
+def test_bad_sampling_params_object(folder, gen, good):
+    with pytest.raises(ValueError, match="temperature"):
+        gen.generate([5, 6], sampling=qwen_rt.SamplingParams(temperature=-1.0, max_tokens=3))
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate([5, 6], sampling=qwen_rt.SamplingParams(top_p=2.0, max_tokens=3))
+    assert_still_serves(gen, good)
+
+
+def test_limits_are_inclusive(folder, gen, good):
+    """prompt + max_tokens == max_model_len is allowed; so are temperature 0, top_p 1, top_k 0."""
+    p = [5] * (MAX_LEN - 4)
+    (c,) = gen.generate(p, max_tokens=4, **GREEDY)
+    assert len(c.token_ids) == 4 and c.token_ids == M.hf_greedy(folder, p, 4)
+    (c,) = gen.generate(good[0], max_tokens=6, top_p=1.0, top_k=0, min_p=0.0, **GREEDY)
+    assert c.token_ids == good[1]
+    assert_still_serves(gen, good)
+
+
+def test_bad_chat_messages(gen, good):
+    with pytest.raises((ValueError, TypeError)):
+        gen.chat([{"content": "no role"}], max_tokens=3)
+    with pytest.raises(TypeError):
+        gen.chat("not a list of messages", max_tokens=3)
+    assert_still_serves(gen, good)
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+def _copy(folder, tmp_path):
+    return M.copy_folder(folder, tmp_path / "m")
+
+
+def test_unsupported_architecture(folder, tmp_path):
+    f = _copy(folder, tmp_path)
+    M.edit_json(f / "config.json",
+                lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"))
+    with pytest.raises(ValueError, match="LlamaForCausalLM|llama"):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+def test_missing_tensor(folder, tmp_path):
+    f = _copy(folder, tmp_path)
+    st = M.load_state(f)
+    name = "model.layers.1.mlp.down_proj.weight"
+    del st[name]
+    M.save_state(f, st)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+def test_missing_lm_head_untied(build, tmp_path):
+    f = _copy(build("qwen3_mha_untied"), tmp_path)
+    st = M.load_state(f)
+    del st["lm_head.weight"]
+    M.save_state(f, st)
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+def test_wrong_shape(folder, tmp_path):
+    f = _copy(folder, tmp_path)
+    st = M.load_state(f)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    w = st[name]
+    st[name] = torch.cat([w, w[:1]], dim=0)  # one output row too many
+    M.save_state(f, st)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+def test_missing_bias_qwen2(build, tmp_path):
+    f = _copy(build("qwen2_bias_gqa2_tied"), tmp_path)
+    st = M.load_state(f)
+    name = "model.layers.0.self_attn.q_proj.bias"
+    del st[name]
+    M.save_state(f, st)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:abc", "cpu:x", ""])
+def test_bad_device(folder, device):
+    with pytest.raises(ValueError, match="(?i)device"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, device=device))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", "fp33"])
+def test_bad_dtype(folder, dtype):
+    with pytest.raises(ValueError, match="(?i)dtype|" + dtype):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, dtype=dtype))
+
+
+def test_bad_generator_arguments(folder):
+    with pytest.raises(TypeError, match="bogus_option"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2), bogus_option=1)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {"max_batch_size": 0})
+    with pytest.raises(ValueError, match="load_format"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, load_format="magic"))
+
+
+def test_missing_folder_file(folder, tmp_path):
+    f = _copy(folder, tmp_path)
+    (f / "model.safetensors").unlink()
+    with pytest.raises((ValueError, FileNotFoundError), match="(?i)safetensors|weights"):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))

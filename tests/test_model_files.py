@@ -1,0 +1,313 @@
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from qwen_rt import model_files
+from qwen_rt.model_files import read_safetensors_header, resolve, text_config
+
+SAFETENSORS_DTYPES = {np.float32: "F32", np.float16: "F16", np.int64: "I64", np.int32: "I32",
+                      np.uint8: "U8", np.int8: "I8", np.float64: "F64", np.bool_: "BOOL"}
+
+
+def _arrays(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((7, 5)).astype(np.float32),
+        "a.f16": rng.standard_normal((3, 4, 2)).astype(np.float16),
+        "b.i64": rng.integers(-5, 5, size=(6,)).astype(np.int64),
+        "c.i32": rng.integers(-5, 5, size=(2, 3)).astype(np.int32),
+        "d.u8": rng.integers(0, 255, size=(9,)).astype(np.uint8),
+        "e.i8": rng.integers(-9, 9, size=(1, 1, 3)).astype(np.int8),
+        "f.f64": rng.standard_normal((2,)).astype(np.float64),
+        "g.bool": rng.integers(0, 2, size=(4,)).astype(np.bool_),
+        "h.scalar": np.array(3.5, dtype=np.float32),
+        "i.empty": np.zeros((0, 4), dtype=np.float32),
+    }
+
+
+def _check_against_safetensors(path, infos, arrays):
+    raw = path.read_bytes()
+    with safe_open(str(path), framework="numpy") as f:
+        assert set(f.keys()) == set(infos)
+        for name in f.keys():
+            ref = f.get_tensor(name)
+            info = infos[name]
+            assert info.name == name and info.path == str(path)
+            assert info.shape == tuple(ref.shape)
+            assert info.dtype == SAFETENSORS_DTYPES[ref.dtype.type]
+            assert info.nbytes == ref.nbytes
+            got = np.frombuffer(raw[info.offset:info.offset + info.nbytes], dtype=ref.dtype).reshape(ref.shape)
+            np.testing.assert_array_equal(got, ref)
+            np.testing.assert_array_equal(got, arrays[name])
+
+
+def test_header_matches_safetensors(tmp_path):
+    arrays = _arrays()
+    p = tmp_path / "model.safetensors"
+    save_file(arrays, str(p), metadata={"format": "np"})
+    infos = read_safetensors_header(p)
+    assert "__metadata__" not in infos
+    _check_against_safetensors(p, infos, arrays)
+
+
+def test_header_torch_bf16_and_fp8(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as save_torch
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w.bf16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "w.f8": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+        "w.scale_inv": torch.rand(1, 1, generator=g),
+        "w.f16": torch.randn(2, 2, generator=g).half(),
+    }
+    p = tmp_path / "m.safetensors"
+    save_torch(tensors, str(p))
+    infos = read_safetensors_header(p)
+    raw = p.read_bytes()
+    expect_dtype = {"w.bf16": "BF16", "w.f8": "F8_E4M3", "w.scale_inv": "F32", "w.f16": "F16"}
+    for name, t in tensors.items():
+        info = infos[name]
+        assert info.dtype == expect_dtype[name]
+        assert info.shape == tuple(t.shape)
+        assert info.nbytes == t.numel() * t.element_size()
+        got = torch.frombuffer(bytearray(raw[info.offset:info.offset + info.nbytes]), dtype=t.dtype).reshape(t.shape)
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def _write_config(d, **extra):
+    cfg = {"model_type": "qwen3", "hidden_size": 8, "num_hidden_layers": 1, **extra}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def test_resolve_single_file_folder(tmp_path):
+    cfg = _write_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": [1, 2]}))
+    arrays = _arrays()
+    save_file(arrays, str(tmp_path / "model.safetensors"))
+    mf = resolve(tmp_path)
+    assert mf.root == tmp_path and mf.config == cfg and mf.name == tmp_path.name
+    assert mf.generation_config == {"temperature": 0.6, "eos_token_id": [1, 2]}
+    _check_against_safetensors(tmp_path / "model.safetensors", mf.tensors, arrays)
+    assert resolve(str(tmp_path)).tensors == mf.tensors
+
+
+def test_resolve_sharded_index(tmp_path):
+    _write_config(tmp_path)
+    arrays = _arrays()
+    names = sorted(arrays)
+    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
+    weight_map = {}
+    for fn, keys in shards.items():
+        save_file({k: arrays[k] for k in keys}, str(tmp_path / fn))
+        weight_map.update({k: fn for k in keys})
+    # a stray file the index does not name must be ignored
+    save_file({"stray": np.zeros(2, np.float32)}, str(tmp_path / "extra.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    mf = resolve(tmp_path)
+    assert set(mf.tensors) == set(arrays)
+    for fn, keys in shards.items():
+        sub = {k: mf.tensors[k] for k in keys}
+        _check_against_safetensors(tmp_path / fn, sub, arrays)
+    assert mf.generation_config == {}
+
+
+def test_missing_shard(tmp_path):
+    _write_config(tmp_path)
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    with pytest.raises(ValueError, match="s2.safetensors"):
+        resolve(tmp_path)
+
+
+def test_index_names_tensor_not_in_shard(tmp_path):
+    _write_config(tmp_path)
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
+    with pytest.raises(ValueError, match="'b'"):
+        resolve(tmp_path)
+
+
+def test_glob_of_safetensors_files(tmp_path):
+    _write_config(tmp_path)
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "x.safetensors"))
+    save_file({"b": np.ones(2, np.int64)}, str(tmp_path / "y.safetensors"))
+    mf = resolve(tmp_path)
+    assert set(mf.tensors) == {"a", "b"}
+    assert mf.tensors["b"].path.endswith("y.safetensors")
+
+
+def test_duplicate_tensor_across_files(tmp_path):
+    _write_config(tmp_path)
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "x.safetensors"))
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "y.safetensors"))
+    with pytest.raises(ValueError, match="'a'"):
+        resolve(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate_data", "truncate_header", "tiny", "bad_json", "huge_len",
+                                    "wrong_nbytes"])
+def test_corrupt_file(tmp_path, damage):
+    _write_config(tmp_path)
+    p = tmp_path / "model.safetensors"
+    save_file({"a": np.arange(64, dtype=np.float32), "b": np.ones((4, 4), np.float16)}, str(p))
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    if damage == "truncate_data":
+        raw = raw[:-10]
+    elif damage == "truncate_header":
+        raw = raw[: 8 + n // 2]
+    elif damage == "tiny":
+        raw = raw[:5]
+    elif damage == "bad_json":
+        raw = raw[:8] + b"{" * n + raw[8 + n:]
+    elif damage == "huge_len":
+        raw = struct.pack("<Q", 1 << 40) + raw[8:]
+    elif damage == "wrong_nbytes":
+        header = json.loads(raw[8:8 + n])
+        header["a"]["shape"] = [65]
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        raw = struct.pack("<Q", len(h)) + h + raw[8 + n:]
+    p.write_bytes(raw)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        resolve(tmp_path)
+
+
+def test_missing_config(tmp_path):
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="config.json"):
+        resolve(tmp_path)
+
+
+def test_no_weights(tmp_path):
+    cfg = _write_config(tmp_path)
+    with pytest.raises(ValueError, match="no safetensors"):
+        resolve(tmp_path)
+    mf = resolve(tmp_path, load_format="dummy")
+    assert mf.config == cfg and mf.tensors == {}
+
+
+def test_missing_folder_path():
+    with pytest.raises(ValueError, match="no such folder"):
+        resolve("./definitely/not/here")
+
+
+def test_bad_load_format(tmp_path):
+    with pytest.raises(ValueError):
+        resolve(tmp_path, load_format="pt")
+
+
+# -- packaged configs ---------------------------------------------------------------------------------
+
+FACTS = {
+    # name: (model_type, hidden, layers, q heads, kv heads, inter, vocab, tied, head_dim, max_pos)
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128, 40960),
+    "qwen3-8b": ("qwen3", 4096, 36, 32, 8, 12288, 151936, False, 128, 40960),
+    "qwen3-32b": ("qwen3", 5120, 64, 64, 8, 25600, 151936, False, 128, 40960),
+    "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False, None, 32768),
+}
+
+
+def test_packaged_names():
+    assert set(FACTS) <= set(model_files.packaged_configs())
+
+
+@pytest.mark.parametrize("name", sorted(FACTS))
+def test_packaged_config_facts(name):
+    mt, hidden, layers, heads, kv, inter, vocab, tied, head_dim, max_pos = FACTS[name]
+    for spelling in (name, name.upper()):
+        mf = resolve(spelling, load_format="dummy")
+        c = mf.config
+        assert mf.root is None and mf.tensors == {} and mf.name == name
+        assert c["model_type"] == mt
+        assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+                c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"]) == (
+                    hidden, layers, heads, kv, inter, vocab, tied)
+        assert c.get("head_dim") == head_dim
+        assert c["max_position_embeddings"] == max_pos
+        assert c["rope_theta"] == 1e6 and c["rms_norm_eps"] == 1e-6
+        assert c["hidden_act"] == "silu"
+        if mt == "qwen3":
+            assert c["attention_bias"] is False and c["eos_token_id"] == 151645
+        g = mf.generation_config
+        assert g["eos_token_id"] == [151645, 151643]
+        if mt == "qwen3":
+            assert (g["temperature"], g["top_p"], g["top_k"]) == (0.6, 0.95, 20)
+
+
+@pytest.mark.parametrize("hub_id,name", [("Qwen/Qwen3-8B", "qwen3-8b"), ("Qwen/Qwen3-0.6B", "qwen3-0.6b"),
+                                         ("qwen/qwen3-32b", "qwen3-32b"), ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b")])
+def test_hub_style_names_dummy(hub_id, name, monkeypatch):
+    def no_download(*a, **k):
+        raise AssertionError("must not download")
+    monkeypatch.setattr(model_files, "_download", no_download)
+    mf = resolve(hub_id, load_format="dummy")
+    assert mf.name == name and mf.config == resolve(name, load_format="dummy").config
+
+
+def test_packaged_needs_dummy():
+    with pytest.raises(ValueError, match="dummy"):
+        resolve("qwen3-8b")
+
+
+def test_local_folder_wins_over_packaged_name(tmp_path, monkeypatch):
+    d = tmp_path / "qwen3-8b"
+    d.mkdir()
+    cfg = _write_config(d)
+    monkeypatch.chdir(tmp_path)
+    mf = resolve("qwen3-8b", load_format="dummy")
+    assert mf.config == cfg and mf.root is not None
+
+
+def test_hub_errors_become_value_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"), raising=False)
+    with pytest.raises(ValueError, match="someone/not-a-model"):
+        resolve("someone/not-a-model")
+
+
+def test_hub_download_patterns(monkeypatch, tmp_path):
+    calls = []
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    _write_config(snap)
+    save_file({"a": np.ones(3, np.float32)}, str(snap / "model.safetensors"))
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision, list(allow_patterns)))
+        return str(snap)
+
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    mf = resolve("org/model", revision="abc")
+    assert mf.name == "org/model" and set(mf.tensors) == {"a"}
+    assert calls[-1][:2] == ("org/model", "abc") and "*.safetensors" in calls[-1][2]
+    assert "tokenizer.json" in calls[-1][2] and "config.json" in calls[-1][2]
+    resolve("org/model", load_format="dummy")
+    assert not any("safetensors" in p for p in calls[-1][2])
+
+
+def test_text_config():
+    plain = {"model_type": "qwen3", "hidden_size": 4}
+    assert text_config(plain) is plain
+    composite = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                 "tie_word_embeddings": False, "quantization_config": {"quant_method": "fp8"},
+                 "vision_config": {"depth": 2},
+                 "text_config": {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64}}
+    t = text_config(composite)
+    assert t["model_type"] == "qwen3_5_text" and t["hidden_size"] == 5120 and t["num_hidden_layers"] == 64
+    assert t["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert t["quantization_config"] == {"quant_method": "fp8"} and t["tie_word_embeddings"] is False
+    assert "vision_config" not in t and "text_config" not in t

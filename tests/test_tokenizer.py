@@ -1,0 +1,434 @@
+import itertools
+import json
+import random
+
+import pytest
+
+from qwen_rt.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "héllo wörld, ça va? naïve façade über straße",
+    "你好，世界。今天天气很好。",
+    "emoji 🙂 🚀 🇫🇷 and symbols € £ ¥ — “quotes”",
+    "def f(x):\n    return x * 2\n\n",
+    "Tell me a joke about tokenizers.",
+] * 20
+
+# Qwen3-style ChatML template: namespace, reversed loop, tools | tojson, thinking, whitespace control.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Plain ChatML without "-" whitespace control: depends on trim_blocks / lstrip_blocks; uses loopcontrols,
+# eos_token and raise_exception.
+CHATML_TEMPLATE = """{% for message in messages %}
+  {% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}
+  {% if loop.first and message['role'] != 'system' %}<|im_start|>system
+You are a helpful assistant.<|im_end|>
+  {% endif %}
+  {% if message.get('skip') %}{% continue %}{% endif %}
+<|im_start|>{{ message['role'] }}{{ (' (' + message['name'] + ')') if 'name' in message else '' }}
+{{ message['content'] }}<|im_end|>
+  {% if message.get('last') %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}{% if eos_in_prompt is defined %}{{ eos_token }}{% endif %}"""
+
+
+def _train(tmp_path, template=QWEN3_TEMPLATE, config_extra=None, jinja_file=None):
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+           "pad_token": {"__type": "AddedToken", "content": "<|endoftext|>", "lstrip": False, "rstrip": False,
+                         "normalized": False, "single_word": False, "special": True}, "unk_token": None,
+           "clean_up_tokenization_spaces": False, "model_max_length": 4096}
+    if template is not None:
+        cfg["chat_template"] = template
+    cfg.update(config_extra or {})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if jinja_file is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja_file)
+    return Tokenizer.from_dir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    _train(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return Tokenizer.from_dir(tok_dir)
+
+
+def test_basics(tok, tok_dir):
+    from tokenizers import Tokenizer as HFTok
+
+    ref = HFTok.from_file(str(tok_dir / "tokenizer.json"))
+    assert tok.vocab_size == ref.get_vocab_size(with_added_tokens=True)
+    assert tok.eos_token_ids == [ref.token_to_id("<|im_end|>")]
+    assert tok.pad_token_id == ref.token_to_id("<|endoftext|>")
+    text = "héllo wörld 你好 🙂<|im_end|>"
+    ids = tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False).ids
+    assert ids[-1] == tok.eos_token_ids[0]
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == "héllo wörld 你好 🙂"
+
+
+def test_from_dir_without_tokenizer(tmp_path):
+    assert Tokenizer.from_dir(tmp_path) is None
+    assert Tokenizer.from_dir(None) is None
+
+
+def test_eos_as_dict_and_missing_config(tmp_path):
+    t = _train(tmp_path, config_extra={"eos_token": {"content": "<|endoftext|>"}})
+    assert t.eos_token_ids == [t.token_to_id("<|endoftext|>")]
+    (tmp_path / "tokenizer_config.json").unlink()
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.eos_token_ids == [] and t.chat_template is None
+    with pytest.raises(ValueError, match="chat template"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# -- incremental detokenization ----------------------------------------------------------------------
+
+def _stream(tok, ids, chunks, skip=True):
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    out, i, max_window = [], 0, 0
+    for n in chunks:
+        piece = det.push(ids[i:i + n])
+        i += n
+        out.append(piece)
+        max_window = max(max_window, len(det.ids) - det.prefix_offset)
+    assert i == len(ids)
+    out.append(det.flush())
+    return out, max_window
+
+
+MULTIBYTE = "héllo wörld 你好 🙂"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_detok_multibyte_every_token(tok, skip):
+    text = MULTIBYTE + "<|im_end|> again: 🇫🇷€ done"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # multibyte chars span several tokens
+    pieces, _ = _stream(tok, ids, [1] * len(ids), skip)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+    # nothing incomplete is ever emitted before the end
+    assert not any("\ufffd" in p for p in pieces)
+    # every emitted prefix is a prefix of the full text
+    full = tok.decode(ids, skip_special_tokens=skip)
+    acc = ""
+    for p in pieces:
+        acc += p
+        assert full.startswith(acc)
+
+
+def test_detok_each_split_point(tok):
+    ids = tok.encode(MULTIBYTE)
+    full = tok.decode(ids)
+    for k in range(len(ids) + 1):
+        pieces, _ = _stream(tok, ids, [k, len(ids) - k])
+        assert "".join(pieces) == full
+
+
+def test_detok_random_streams(tok):
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randint(0, 40)
+        ids = [rng.randrange(tok.vocab_size) for _ in range(n)]  # includes lone bytes and specials
+        chunks = []
+        left = n
+        while left:
+            c = min(left, rng.choice([1, 1, 1, 2, 3, 5]))
+            chunks.append(c)
+            left -= c
+        skip = bool(trial % 2)
+        pieces, _ = _stream(tok, ids, chunks, skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip), (ids, chunks)
+
+
+def test_detok_window_is_bounded(tok):
+    text = " ".join(CORPUS[:6]) * 10
+    ids = tok.encode(text)
+    assert len(ids) > 500
+    calls = []
+    orig = tok.decode
+
+    class Spy:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return orig(ids, skip_special_tokens=skip_special_tokens)
+
+    det = IncrementalDetokenizer(Spy())
+    out = [det.push([i]) for i in ids] + [det.flush()]
+    assert "".join(out) == tok.decode(ids)
+    assert max(calls) <= 12  # never the whole sequence
+
+
+# -- stop strings --------------------------------------------------------------------------------------
+
+def _reference_stop(text, stops):
+    # The stop whose first occurrence ends earliest (ties: longest); text before it.
+    for end in range(1, len(text) + 1):
+        for s in sorted(stops, key=len, reverse=True):
+            if text[:end].endswith(s):
+                return text[:end - len(s)], True
+    return text, False
+
+
+def _feed_all(stops, parts):
+    m = StopMatcher(stops)
+    out, stopped = [], False
+    for p in parts:
+        o, stopped = m.feed(p)
+        out.append(o)
+        if stopped:
+            break
+    if not stopped:
+        out.append(m.flush())
+    return "".join(out), stopped
+
+
+STOP_CASES = [
+    ("Hello world. User: hi", ["User:"]),
+    ("abcabcabd tail", ["abd"]),
+    ("aaaab", ["aab"]),
+    ("no stop here at all", ["STOP", "\n\n"]),
+    ("ends with a partial sto", ["stop"]),
+    ("x abcd y", ["abcd", "bc"]),
+    ("x abcd y", ["cd", "abcd"]),
+    ("multi\n\nline", ["\n\n", "line"]),
+    ("你好🙂世界", ["🙂世", "界"]),
+    ("stop at start", ["stop"]),
+]
+
+
+@pytest.mark.parametrize("text,stops", STOP_CASES)
+def test_stop_every_split(text, stops):
+    expect = _reference_stop(text, stops)
+    assert _feed_all(stops, [text]) == expect
+    n = len(text)
+    for i, j in itertools.combinations(range(n + 1), 2):
+        assert _feed_all(stops, [text[:i], text[i:j], text[j:]]) == expect, (i, j)
+    assert _feed_all(stops, list(text)) == expect
+    if expect[1]:
+        assert not any(s in expect[0] for s in stops)
+
+
+def test_stop_random():
+    rng = random.Random(1)
+    for _ in range(500):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 14)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
+        parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert _feed_all(stops, parts) == _reference_stop(text, stops), (text, stops, parts)
+
+
+def test_stop_holds_back_only_prefixes():
+    m = StopMatcher(["</answer>"])
+    assert m.feed("result: 42 <") == ("result: 42 ", False)
+    assert m.feed("/ans") == ("", False)
+    assert m.feed("wer-ish") == ("</answer-ish", False)
+    assert m.feed("</answer> trailing") == ("", True)
+    assert m.matched == "</answer>"
+    assert m.feed("more") == ("", True)
+    assert m.flush() == ""
+    m = StopMatcher(["END"])
+    assert m.feed("the EN") == ("the ", False)
+    assert m.flush() == "EN"
+
+
+def test_stop_no_stops_and_bad_input():
+    m = StopMatcher([])
+    assert m.feed("anything") == ("anything", False) and m.flush() == ""
+    with pytest.raises(ValueError):
+        StopMatcher([""])
+
+
+# -- chat templates --------------------------------------------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "héllo 你好 🙂"}],
+    [{"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+     {"role": "user", "content": "and 3+3?"}],
+    [{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+     {"role": "tool", "content": "{\"temp\": 21}"},
+     {"role": "tool", "content": "sunny"},
+     {"role": "assistant", "content": "21 and sunny", "reasoning_content": "it said so", "tool_calls": None}],
+]
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def _hf(tok_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("agp", [True, False])
+def test_chat_template_matches_transformers(tok, tok_dir, conv, agp):
+    hf = _hf(tok_dir)
+    msgs = CONVERSATIONS[conv]
+    for kw in ({}, {"enable_thinking": False}, {"tools": TOOLS}, {"tools": TOOLS, "enable_thinking": True}):
+        ours = tok.apply_chat_template(msgs, add_generation_prompt=agp, **kw)
+        ref = hf.apply_chat_template(msgs, add_generation_prompt=agp, tokenize=False, **kw)
+        assert ours == ref, kw
+
+
+@pytest.mark.parametrize("agp", [True, False])
+def test_chatml_template_whitespace_and_loopcontrols(tmp_path, agp):
+    tok = _train(tmp_path, template=CHATML_TEMPLATE)
+    hf = _hf(tmp_path)
+    convs = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi", "name": None}, {"role": "assistant", "content": "yo", "name": "bot"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "a", "skip": True},
+         {"role": "user", "content": "b", "last": True}, {"role": "assistant", "content": "never"}],
+    ]
+    for msgs in convs:
+        for kw in ({}, {"eos_in_prompt": True}):
+            ours = tok.apply_chat_template(msgs, add_generation_prompt=agp, **kw)
+            assert ours == hf.apply_chat_template(msgs, add_generation_prompt=agp, tokenize=False, **kw)
+    expected = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                + ("<|im_start|>assistant\n" if agp else ""))
+    assert tok.apply_chat_template(convs[0], add_generation_prompt=agp) == expected
+    assert tok.apply_chat_template(convs[0], add_generation_prompt=agp, eos_in_prompt=1).endswith("<|im_end|>")
+    import jinja2
+    with pytest.raises(jinja2.TemplateError, match="bad role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_template_sources(tmp_path):
+    # a list of named templates: "default" is used
+    t = _train(tmp_path, template=[{"name": "tool_use", "template": "TOOLS"},
+                                   {"name": "default", "template": "DEFAULT{{ messages|length }}"}])
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "DEFAULT1"
+    # chat_template.jinja wins over tokenizer_config.json
+    t = _train(tmp_path, template="FROM CONFIG", jinja_file="FROM FILE {{ add_generation_prompt }}")
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "FROM FILE True"
+    assert t.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == \
+        "FROM FILE False"
+
+
+def test_tojson_and_sandbox(tmp_path):
+    t = _train(tmp_path, template="{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
+                                  "{{ strftime_now('%Y') | length }}")
+    out = t.apply_chat_template([{"role": "user", "content": "ü<b>"}])
+    a, b, c = out.split("|")
+    assert a == '{"role": "user", "content": "ü<b>"}'
+    assert b == json.dumps({"role": "user", "content": "ü<b>"}, ensure_ascii=False, indent=2)
+    assert c == "4"
+    import jinja2
+    t = _train(tmp_path, template="{{ messages.__class__ }}{% set x = messages.append(1) %}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
