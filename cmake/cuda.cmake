@@ -28,6 +28,12 @@ execute_process(
     "import importlib.util as u, os\nfor m in ('nvidia.cu13', 'nvidia.cublas', 'nvidia.nccl'):\n    try:\n        s = u.find_spec(m)\n    except Exception:\n        s = None\n    if s and s.submodule_search_locations:\n        print(list(s.submodule_search_locations)[0])"
   OUTPUT_VARIABLE QRT_PIP_NVIDIA OUTPUT_STRIP_TRAILING_WHITESPACE)
 string(REPLACE "\n" ";" QRT_PIP_NVIDIA "${QRT_PIP_NVIDIA}")
+# Under pip's build isolation the building Python does not see the user's environment: look there too.
+if(DEFINED ENV{VIRTUAL_ENV})
+  file(GLOB QRT_VENV_NVIDIA "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/cu13"
+       "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/cublas" "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/nccl")
+  list(APPEND QRT_PIP_NVIDIA ${QRT_VENV_NVIDIA})
+endif()
 set(QRT_NV_INC "")
 set(QRT_NV_LIB "")
 foreach(d ${QRT_PIP_NVIDIA})
@@ -35,11 +41,19 @@ foreach(d ${QRT_PIP_NVIDIA})
   list(APPEND QRT_NV_LIB "${d}/lib")
 endforeach()
 
-find_path(QRT_CUBLASLT_INCLUDE cublasLt.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC} REQUIRED)
+find_path(QRT_CUBLASLT_INCLUDE cublasLt.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC})
 find_library(QRT_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12
-             HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB} REQUIRED)
-find_path(QRT_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC} /usr/include REQUIRED)
-find_library(QRT_NCCL_LIB NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB} /usr/lib/x86_64-linux-gnu REQUIRED)
+             HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB})
+find_path(QRT_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC} /usr/include)
+find_library(QRT_NCCL_LIB NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB} /usr/lib/x86_64-linux-gnu)
+if(NOT QRT_CUBLASLT_INCLUDE OR NOT QRT_CUBLASLT_LIB OR NOT QRT_NCCL_INCLUDE OR NOT QRT_NCCL_LIB)
+  set(QRT_MISSING "cuBLASLt (${QRT_CUBLASLT_INCLUDE}, ${QRT_CUBLASLT_LIB}) or NCCL (${QRT_NCCL_INCLUDE}, ${QRT_NCCL_LIB}) not found; pip install nvidia-cublas nvidia-nccl-cu13")
+  if(QWEN_RT_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "qwen_rt: ${QRT_MISSING}")
+  endif()
+  message(WARNING "qwen_rt: CPU-only build: ${QRT_MISSING}")
+  return()
+endif()
 message(STATUS "qwen_rt: CUDA backend on (archs ${CMAKE_CUDA_ARCHITECTURES}); cuBLASLt ${QRT_CUBLASLT_LIB}; NCCL ${QRT_NCCL_LIB}")
 
 file(GLOB QRT_CUDA_SOURCES CONFIGURE_DEPENDS cpp/backend/cuda/*.cu cpp/backend/cuda/*.cpp)

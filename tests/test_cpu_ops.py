@@ -550,9 +550,10 @@ def test_sample_batch_independent(h):
 
 
 def test_sample_distribution(h):
-    """4000 seeds on one row: frequencies follow softmax(x / T) restricted by top_k / top_p."""
+    """8000 seeds on one row: frequencies follow softmax(x / T) restricted by top_k / top_p
+    (total variation < 0.04; the noise of 8000 draws is ~0.015)."""
     rng = np.random.default_rng(19)
-    V, n = 12, 4000
+    V, n = 12, 8000
     base = rnd(rng, V, scale=1.0)
     for T, top_k, top_p in [(1.0, 0, 1.0), (0.6, 5, 1.0), (1.3, 0, 0.7)]:
         rows = [dict(temperature=T, top_k=top_k, top_p=top_p, seed=s, draw=3) for s in range(n)]

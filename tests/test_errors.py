@@ -101,7 +101,7 @@ def test_bad_sampling_params_object(folder, gen, good):
 
 def test_limits_are_inclusive(folder, gen, good):
     """prompt + max_tokens == max_model_len is allowed; so are temperature 0, top_p 1, top_k 0."""
-    p = [5] * (MAX_LEN - 4)
+    (p,) = M.pick_prompts(folder, seed=601, lengths=[MAX_LEN - 4], max_new=4)
     (c,) = gen.generate(p, max_tokens=4, **GREEDY)
     assert len(c.token_ids) == 4 and c.token_ids == M.hf_greedy(folder, p, 4)
     (c,) = gen.generate(good[0], max_tokens=6, top_p=1.0, top_k=0, min_p=0.0, **GREEDY)

@@ -69,22 +69,31 @@ def test_first_token_logprobs(build, make_gen, name):
         assert c.token_ids[0] in d
         assert len(d) == N  # greedy: the chosen token is the best one, so no extra entry
         ref_top = [int(t) for t in np.argsort(-ref, kind="stable")[:N]]
-        assert set(int(k) for k in d) == set(ref_top)
+        srt = np.sort(ref)[::-1]
+        if srt[N - 1] - srt[N] > 1e-4:  # the top-N set is well defined
+            assert set(int(k) for k in d) == set(ref_top)
         for tok, lp in d.items():
             assert abs(lp - ref[int(tok)]) < 1e-4, (tok, lp, ref[int(tok)])
 
 
 # --- text, prompt forms, streaming, chat -----------------------------------------------------------
 
-TEXT_PROMPTS = ["Once upon a time", "Hello, how are you", "The clock tower"]
+TEXT_CANDIDATES = ["Once upon a time", "Hello, how are you", "The clock tower", "Hello",
+                   "The weather is", "Tell me a joke", "In the middle of", "What is two plus"]
 
 
-def _check_text_prompts(folder, n):
-    """The text prompts are well conditioned for exact comparison (a fixture property)."""
-    for t in TEXT_PROMPTS:
+def text_prompts(folder, n, k=3):
+    """The first k candidate strings whose greedy continuation (n tokens) has no near-tie and no
+    special token (deterministic per fixture)."""
+    specials = set(M.model_info(folder)["specials"])
+    out = []
+    for t in TEXT_CANDIDATES:
         p = ids_of(folder, t)
-        assert min(M.hf_greedy_margins(folder, p, n)) >= M.MARGIN, t
-    return [ids_of(folder, t) for t in TEXT_PROMPTS]
+        if (min(M.hf_greedy_margins(folder, p, n)) >= M.MARGIN
+                and not set(M.hf_greedy(folder, p, n)) & specials):
+            out.append(t)
+    assert len(out) >= k, f"fixture: only {len(out)} well-conditioned text prompts"
+    return out[:k]
 
 
 @pytest.mark.parametrize("name", ["qwen3_mha_untied", "qwen2_gqa4_untied"])
@@ -92,7 +101,8 @@ def test_text_and_prompt_forms(build, make_gen, name):
     folder = build(name)
     gen = make_gen(folder)
     n = 10
-    ids = _check_text_prompts(folder, n)
+    TEXT_PROMPTS = text_prompts(folder, n)
+    ids = [ids_of(folder, t) for t in TEXT_PROMPTS]
     refs = [M.hf_greedy(folder, p, n) for p in ids]
 
     def check(c, i):
@@ -148,8 +158,9 @@ def test_stream_matches_generate(build, make_gen, name):
     folder = build(name)
     gen = make_gen(folder)
     n = 24
-    prompts = list(TEXT_PROMPTS) + M.pick_prompts(folder, seed=14, lengths=[9], max_new=n)
+    prompts = text_prompts(folder, n) + M.pick_prompts(folder, seed=14, lengths=[9], max_new=n)
     for p in prompts:
+        ids = p if isinstance(p, list) else ids_of(folder, p)
         (full,) = gen.generate([p] if isinstance(p, list) else p, max_tokens=n, **GREEDY)
         deltas = list(gen.stream(p, max_tokens=n, **GREEDY))
         assert deltas, "stream yielded nothing"
@@ -157,7 +168,6 @@ def test_stream_matches_generate(build, make_gen, name):
         assert [t for d in deltas for t in d.token_ids] == full.token_ids
         assert deltas[-1].finish_reason == "length"
         assert all(d.finish_reason is None for d in deltas[:-1])
-        ids = p if isinstance(p, list) else ids_of(folder, p)
         assert full.token_ids == M.hf_greedy(folder, ids, n)
 
 
@@ -181,6 +191,7 @@ def test_chat_applies_template(build, make_gen, messages):
     gen = make_gen(folder)
     ref_ids = _chat_ids(folder, messages)
     n = 8
+    assert min(M.hf_greedy_margins(folder, ref_ids, n)) >= M.MARGIN  # fixture: no near-tie
     c = gen.chat(messages, max_tokens=n, **GREEDY)
     assert isinstance(c, qwen_rt.Completion)
     assert c.prompt_token_ids == ref_ids

@@ -46,7 +46,7 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
 
   const DType act = be_.act_dtype();
   const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim;
-  const int64_t meta = 3 * int64_t(T) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
+  const int64_t meta = 3 * int64_t(std::max(T, S)) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
   meta_ = alloc_tensor(DType::I32, 1, meta);
   residual_ = alloc_tensor(act, T, H);
   hidden_ = alloc_tensor(act, T, H);
@@ -151,36 +151,82 @@ void QwenModel::build_rope_table() {
   rope_ = RopeTable{rope_table_.ptr<float>(), rot, P};
 }
 
+int QwenModel::graph_bucket(int n, int max_n) {
+  static const int buckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512};
+  for (int b : buckets)
+    if (b >= n) return std::min(b, max_n);
+  return -1;
+}
+
+AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int max_pages, int max_ctx) {
+  const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
+  const bool pad = rows > T;  // decode-only: T == S == R, padded to `rows` one-token sequences
+  const int SS = pad ? rows : S, RR = pad ? rows : R;
+  std::vector<int32_t> meta;
+  meta.reserve(size_t(3 * rows + 2 * SS + 1 + SS * max_pages + RR));
+  auto put = [&](const std::vector<int32_t>& v, int n, auto pad_value) {
+    const size_t off = meta.size();
+    meta.insert(meta.end(), v.begin(), v.end());
+    for (int i = int(v.size()); i < n; ++i) meta.push_back(pad_value(i));
+    return off;
+  };
+  const int scratch = kv.scratch_row();
+  const size_t o_tok = put(s.tokens, rows, [](int) { return 0; });
+  const size_t o_pos = put(s.positions, rows, [](int) { return 0; });
+  const size_t o_kvr = put(s.kv_rows, rows, [&](int) { return scratch; });
+  const size_t o_qs = put(s.q_start, SS + 1, [](int i) { return i; });
+  const size_t o_ctx = put(s.ctx_len, SS, [](int) { return 1; });
+  size_t o_pt = meta.size();
+  for (int i = 0; i < SS; ++i)
+    for (int j = 0; j < max_pages; ++j)
+      meta.push_back(i < S && j < s.max_pages ? s.page_table[size_t(i) * s.max_pages + j] : 0);
+  const size_t o_lr = put(s.logit_rows, RR, [](int i) { return i; });
+  QRT_CHECK(int64_t(meta.size()) <= meta_.cols, "step metadata exceeds its buffer");
+  be_.upload(meta_.data, meta.data(), meta.size() * 4);
+  const int32_t* m = meta_.ptr<int32_t>();
+  d_tokens_ = m + o_tok;
+  d_positions_ = m + o_pos;
+  d_logit_rows_ = m + o_lr;
+  AttnBatch b;
+  b.num_seqs = SS;
+  b.num_tokens = rows;
+  b.q_start = m + o_qs;
+  b.ctx_len = m + o_ctx;
+  b.page_table = m + o_pt;
+  b.kv_rows = m + o_kvr;
+  b.max_pages = max_pages;
+  b.page_size = kv.page_size();
+  b.max_q_len = s.max_q_len;
+  b.max_ctx_len = max_ctx;
+  return b;
+}
+
 Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= lim_.max_seqs &&
                 s.max_pages <= lim_.max_pages_per_seq,
             "step exceeds the model's limits");
-  // Metadata: one upload.
-  std::vector<int32_t> meta;
-  meta.reserve(size_t(meta_.cols));
-  auto put = [&](const std::vector<int32_t>& v) {
-    const size_t off = meta.size();
-    meta.insert(meta.end(), v.begin(), v.end());
-    return off;
-  };
-  const size_t o_tok = put(s.tokens), o_pos = put(s.positions), o_kvr = put(s.kv_rows), o_qs = put(s.q_start),
-               o_ctx = put(s.ctx_len), o_pt = put(s.page_table), o_lr = put(s.logit_rows);
-  be_.upload(meta_.data, meta.data(), meta.size() * 4);
-  const int32_t* m = meta_.ptr<int32_t>();
-  AttnBatch b;
-  b.num_seqs = S;
-  b.num_tokens = T;
-  b.q_start = m + o_qs;
-  b.ctx_len = m + o_ctx;
-  b.page_table = m + o_pt;
-  b.kv_rows = m + o_kvr;
-  b.max_pages = s.max_pages;
-  b.page_size = kv.page_size();
-  b.max_q_len = s.max_q_len;
-  b.max_ctx_len = s.max_ctx_len;
-  const int32_t* positions = m + o_pos;
+  const bool decode = s.max_q_len == 1 && T == S && R == S;
+  const int bucket = graph_bucket(S, std::min(lim_.max_seqs, lim_.max_tokens));
+  if (lim_.graphs && be_.supports_graphs() && decode && bucket >= S) {
+    // Fixed shapes for the graph: padded rows, every page column, the longest context.
+    const int max_ctx = lim_.max_pages_per_seq * kv.page_size();
+    AttnBatch b = upload_meta(s, kv, bucket, lim_.max_pages_per_seq, max_ctx);
+    auto it = graphs_.find(bucket);
+    if (it == graphs_.end()) {
+      be_.begin_capture();
+      body(b, bucket, bucket, kv);
+      it = graphs_.emplace(bucket, be_.end_capture()).first;
+    }
+    be_.replay(it->second);
+    return logits_.row_slice(0, R);
+  }
+  AttnBatch b = upload_meta(s, kv, T, s.max_pages, s.max_ctx_len);
+  body(b, T, R, kv);
+  return logits_.row_slice(0, R);
+}
 
+void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
   const int D = cfg_.head_dim, qn = q_heads_ * D, kn = kv_heads_ * D;
   const float eps = cfg_.rms_eps;
   const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
@@ -189,7 +235,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
          act = act_.row_slice(0, T);
   Tensor q = qkv.col_slice(0, qn), k = qkv.col_slice(qn, kn), v = qkv.col_slice(qn + kn, kn);
 
-  be_.embedding(m + o_tok, embed_, res);
+  be_.embedding(d_tokens_, embed_, res);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const Layer& L = layers_[l];
     if (l == 0) be_.rms_norm(res, L.input_norm, eps, false, h);
@@ -199,8 +245,8 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
       be_.head_rms_norm(q, D, L.q_norm, eps, false);
       be_.head_rms_norm(k, D, L.k_norm, eps, false);
     }
-    be_.rope(q, D, positions, rope_);
-    be_.rope(k, D, positions, rope_);
+    be_.rope(q, D, d_positions_, rope_);
+    be_.rope(k, D, d_positions_, rope_);
     KvLayer cache = kv.layer(l);
     be_.write_kv(k, v, b, cache);
     be_.attention(q, cache, b, shape, attn);
@@ -213,14 +259,13 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
     comm_.all_reduce_sum(proj);
   }
   // Only the rows that sample need the final norm and the LM head.
-  Tensor logits = logits_.row_slice(0, R);
-  if (R == 0) return logits;
+  if (R == 0) return;
   Tensor sr = sel_res_.row_slice(0, R), sx = sel_x_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
-  be_.gather_rows(res, m + o_lr, sr);
-  be_.gather_rows(proj, m + o_lr, sx);
+  Tensor logits = logits_.row_slice(0, R);
+  be_.gather_rows(res, d_logit_rows_, sr);
+  be_.gather_rows(proj, d_logit_rows_, sx);
   be_.add_rms_norm(sr, sx, final_norm_, eps, false, sh);
   be_.linear(sh, lm_head_, nullptr, logits);
-  return logits;
 }
 
 }  // namespace qrt

@@ -1,5 +1,6 @@
 // The Qwen2/Qwen3 dense forward pass over a ragged batch, for one tensor-parallel rank.
 #pragma once
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -38,6 +39,7 @@ struct Limits {
   int max_tokens = 0;       // rows of one step (max_num_batched_tokens)
   int max_seqs = 0;         // sequences of one step (max_batch_size)
   int max_pages_per_seq = 0;
+  bool graphs = false;      // replay decode steps from captured graphs (when the backend has them)
 };
 
 class QwenModel {
@@ -60,6 +62,10 @@ class QwenModel {
             float dummy_scale, float dummy_offset);
   void load_weights(const Progress& progress);
   void build_rope_table();
+  // Uploads the step's metadata (padded to rows when rows > the step's tokens) and describes it.
+  AttnBatch upload_meta(const StepInput& s, KvCache& kv, int rows, int max_pages, int max_ctx);
+  void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv);
+  static int graph_bucket(int n, int max_n);
 
   ModelConfig cfg_;
   Backend& be_;
@@ -76,6 +82,10 @@ class QwenModel {
   std::vector<Layer> layers_;
   Tensor rope_table_;
   RopeTable rope_;
+  std::map<int, int> graphs_;  // decode batch bucket -> captured graph
+  const int32_t* d_tokens_ = nullptr;
+  const int32_t* d_positions_ = nullptr;
+  const int32_t* d_logit_rows_ = nullptr;
   // Workspace.
   Tensor meta_;  // int32 metadata uploaded each step
   Tensor residual_, hidden_, qkv_, attn_, proj_, gate_up_, act_, sel_res_, sel_x_, sel_h_, logits_;

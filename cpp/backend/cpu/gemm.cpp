@@ -4,6 +4,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "backend/cpu/cpu_kernels.h"
 #include "core/error.h"
@@ -28,12 +32,17 @@ template <> inline v16f load_w<DType::F32>(const void* base, int64_t i) {
   return v;
 }
 template <> inline v16f load_w<DType::BF16>(const void* base, int64_t i) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  return reinterpret_cast<v16f>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
   v16h h;
   std::memcpy(&h, static_cast<const uint16_t*>(base) + i, 32);
   v16u u = __builtin_convertvector(h, v16u) << 16;
   v16f f;
   std::memcpy(&f, &u, 64);
   return f;
+#endif
 }
 template <> inline v16f load_w<DType::F16>(const void* base, int64_t i) {
   v16f16 h;
@@ -89,39 +98,56 @@ void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int
 }
 
 template <DType WT>
+void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+  switch (mr) {
+    case 4: tile_n<WT, 4>(nr, x, ldx, w, ldw, K, res); break;
+    case 3: tile_n<WT, 3>(nr, x, ldx, w, ldw, K, res); break;
+    case 2: tile_n<WT, 2>(nr, x, ldx, w, ldw, K, res); break;
+    default: tile_n<WT, 1>(nr, x, ldx, w, ldw, K, res); break;
+  }
+}
+
+template <DType WT>
 void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   const int64_t esz = int64_t(dtype_size(WT));
   const int64_t ldw = w.stride * esz;
-  // Columns of out per task: a block of w rows stays in L1/L2 while all rows of x pass over it.
+  // A block of NB weight rows stays in cache while every row of x passes over it. With more rows of x
+  // than one tile, a 16-bit block is widened to fp32 once (exactly) instead of once per tile.
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
+  const bool widen = WT != DType::F32 && M > MR;
   const float* xp = x.ptr<float>();
   float* op = out.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
-#pragma omp parallel for schedule(static) num_threads(threads) if (par)
-  for (int64_t nb = 0; nb < nblocks; ++nb) {
-    const int64_t nend = std::min(N, (nb + 1) * NB);
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int mr = int(std::min<int64_t>(MR, M - m0));
-      for (int64_t n0 = nb * NB; n0 < nend; n0 += NR) {
-        const int nr = int(std::min<int64_t>(NR, nend - n0));
-        float res[MR][NR];
-        const float* xr = xp + m0 * x.stride;
-        const char* wr = wp + n0 * ldw;
-        switch (mr) {
-          case 4: tile_n<WT, 4>(nr, xr, x.stride, wr, ldw, K, res); break;
-          case 3: tile_n<WT, 3>(nr, xr, x.stride, wr, ldw, K, res); break;
-          case 2: tile_n<WT, 2>(nr, xr, x.stride, wr, ldw, K, res); break;
-          default: tile_n<WT, 1>(nr, xr, x.stride, wr, ldw, K, res); break;
+#pragma omp parallel num_threads(threads) if (par)
+  {
+    std::vector<float> wide(widen ? size_t(NB * K) : 0);
+#pragma omp for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
+      if (widen)
+        for (int64_t j = n_begin; j < nend; ++j)
+          convert_host(wp + j * ldw, WT, wide.data() + (j - n_begin) * K, DType::F32, size_t(K));
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = int(std::min<int64_t>(MR, M - m0));
+        for (int64_t n0 = n_begin; n0 < nend; n0 += NR) {
+          const int nr = int(std::min<int64_t>(NR, nend - n0));
+          float res[MR][NR];
+          const float* xr = xp + m0 * x.stride;
+          if (widen)
+            run_tile<DType::F32>(mr, nr, xr, x.stride, reinterpret_cast<const char*>(wide.data() + (n0 - n_begin) * K),
+                                 K * 4, K, res);
+          else
+            run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res);
+          for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j) {
+              float v = res[i][j];
+              if (bias) v += load_f32(*bias, 0, n0 + j);
+              op[(m0 + i) * out.stride + n0 + j] = v;
+            }
         }
-        for (int i = 0; i < mr; ++i)
-          for (int j = 0; j < nr; ++j) {
-            float v = res[i][j];
-            if (bias) v += load_f32(*bias, 0, n0 + j);
-            op[(m0 + i) * out.stride + n0 + j] = v;
-          }
       }
     }
   }

@@ -1,0 +1,728 @@
+// Causal paged attention on the GPU. Two kernels:
+// - rows kernel: one block per (query row, kv head, split of the keys); the GQA group of query heads
+//   shares each K/V tile; FMA math. Used for decode batches (split over the keys, flash-decoding,
+//   then a combine kernel) and for fp32 (the exactness mode).
+// - tile kernel (bf16/fp16): FlashAttention-2 style; a block holds 64 (token, head) rows of one
+//   sequence and one kv head, streams K/V pages through shared memory (cp.async, two stages) and
+//   computes QK^T and PV with mma.sync m16n8k16 tensor-core instructions, online softmax in fp32.
+// Launch shapes come from the host maxima of AttnBatch; lengths are read on the device, so a
+// captured graph stays valid while the real lengths stay within the maxima it was captured with.
+#include <algorithm>
+#include <cfloat>
+#include <type_traits>
+
+#include "backend/cuda/cuda_common.cuh"
+
+namespace qrt::cuda {
+namespace {
+
+constexpr int kRowThreads = 128;
+constexpr int kGMax = 8;       // query heads per rows-kernel block
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ int find_seq(const int32_t* q_start, int num_seqs, int row) {
+  int lo = 0, hi = num_seqs - 1;  // largest s with q_start[s] <= row
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (q_start[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned sa = unsigned(__cvta_generic_to_shared(smem));
+  const int sz = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(sz));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 load2(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
+__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+// Eight consecutive elements (16-byte aligned for 16-bit types, 32 for fp32) as fp32.
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+template <typename T2, typename T>
+__device__ __forceinline__ void load8_16(const T* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    T2 h;
+    memcpy(&h, &w[i], 4);
+    float2 v;
+    if constexpr (std::is_same<T, __half>::value) v = __half22float2(h);
+    else v = __bfloat1622float2(h);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+__device__ __forceinline__ void load8(const __half* p, float (&f)[8]) { load8_16<__half2>(p, f); }
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) { load8_16<__nv_bfloat162>(p, f); }
+
+// ================================================================================================
+// Rows kernel
+// ================================================================================================
+template <typename T> struct RowCfg {
+  static constexpr int kTile = sizeof(T) == 4 ? 16 : 32;  // keys per shared-memory tile
+  static constexpr int kPad = 16 / int(sizeof(T));         // elements of row padding (16 bytes)
+};
+
+template <typename T, int D>
+constexpr size_t rows_smem_bytes() {
+  constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
+  return size_t(kGMax) * D * 4                 // q (fp32, pre-scaled)
+         + size_t(2) * 2 * TILE * LD * sizeof(T)  // K and V, two stages
+         + size_t(TILE) * kGMax * 4             // probabilities [t][g]
+         + 3 * kGMax * 4;                       // m, l, alpha
+}
+
+struct RowsArgs {
+  const void* q;
+  int64_t q_stride;
+  const void* kc;
+  const void* vc;
+  const int32_t* q_start;
+  const int32_t* ctx_len;
+  const int32_t* page_table;
+  int max_pages, page_size, num_seqs, kv_heads, group, gsubs, q_heads;
+  float scale_log2;
+  void* out;
+  int64_t out_stride;
+  float* part;  // nsplit > 1: [rows, q_heads, nsplit, D] outputs then [rows, q_heads, nsplit, 2] (m, l)
+  int nsplit, num_tokens;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a) {
+  constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
+  constexpr int CPR = D * int(sizeof(T)) / 16;  // 16-byte chunks per K/V row
+  constexpr int EPC = 16 / int(sizeof(T));      // elements per chunk
+  constexpr int NPH = 2 * kRowThreads / D;      // token phases of the PV step (each thread: 2 dims)
+  static_assert(NPH >= 1 && (TILE * kGMax) % kRowThreads == 0, "shape");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* qs = reinterpret_cast<float*>(smem_raw);                          // [kGMax][D]
+  T* kvs = reinterpret_cast<T*>(qs + kGMax * D);                           // [2 stages][K,V][TILE][LD]
+  float* ps = reinterpret_cast<float*>(kvs + 2 * 2 * TILE * LD);           // [TILE][kGMax]
+  float* m_s = ps + TILE * kGMax;
+  float* l_s = m_s + kGMax;
+  float* al_s = l_s + kGMax;
+
+  const int tid = threadIdx.x;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / a.gsubs, g0 = (blockIdx.y % a.gsubs) * kGMax;
+  const int ng = min(kGMax, a.group - g0);
+  const int row = blockIdx.z;
+  const int s = find_seq(a.q_start, a.num_seqs, row);
+  const int q_len = a.q_start[s + 1] - a.q_start[s];
+  const int n_keys = a.ctx_len[s] - q_len + (row - a.q_start[s]) + 1;
+  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+  chunk = (chunk + TILE - 1) / TILE * TILE;
+  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+  const int h0 = kvh * a.group + g0;
+
+  if (k_begin >= k_end) {  // empty split (or no keys at all)
+    if (a.nsplit > 1) {
+      if (tid < ng) {
+        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                    ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+        ml[0] = -INFINITY;
+        ml[1] = 0.f;
+      }
+    } else {
+      T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+      for (int i = tid; i < ng * D; i += kRowThreads) o[i] = from_f<T>(0.f);
+    }
+    return;
+  }
+
+  const int64_t kv_cols = int64_t(a.kv_heads) * D;
+  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
+  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
+  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+
+  auto issue = [&](int k0, int stage) {
+    T* ks = kvs + stage * 2 * TILE * LD;
+    T* vs = ks + TILE * LD;
+    for (int c = tid; c < TILE * CPR; c += kRowThreads) {
+      const int t = c / CPR, part = c - t * CPR;
+      const int j = k0 + t;
+      const bool ok = j < k_end;
+      const int64_t crow = ok ? int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size) : 0;
+      cp_async16(ks + t * LD + part * EPC, kbase + crow * kv_cols + part * EPC, ok);
+      cp_async16(vs + t * LD + part * EPC, vbase + crow * kv_cols + part * EPC, ok);
+    }
+    cp_async_commit();
+  };
+
+  issue(k_begin, 0);
+  {
+    const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
+    for (int i = tid; i < kGMax * D; i += kRowThreads) qs[i] = i < ng * D ? to_f(qr[i]) * a.scale_log2 : 0.f;
+    if (tid < kGMax) {
+      m_s[tid] = -INFINITY;
+      l_s[tid] = 0.f;
+    }
+  }
+
+  const int pi = tid % (D / 2), ph = tid / (D / 2);
+  float acc[kGMax][2];
+#pragma unroll
+  for (int g = 0; g < kGMax; ++g) acc[g][0] = acc[g][1] = 0.f;
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const int ntiles = (k_end - k_begin + TILE - 1) / TILE;
+  for (int it = 0; it < ntiles; ++it) {
+    const int k0 = k_begin + it * TILE;
+    if (it + 1 < ntiles) {
+      issue(k0 + TILE, (it + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* ks = kvs + (it & 1) * 2 * TILE * LD;
+    const T* vs = ks + TILE * LD;
+
+    // Scores (log2 domain) for (t, g) pairs.
+#pragma unroll
+    for (int i = 0; i < TILE * kGMax / kRowThreads; ++i) {
+      const int p = tid + i * kRowThreads;
+      const int t = p % TILE, g = p / TILE;
+      if (g < ng) {
+        float sc = -INFINITY;
+        if (k0 + t < k_end) {
+          const float* qg = qs + g * D;
+          const T* kr = ks + t * LD;
+          float d0 = 0.f, d1 = 0.f;
+#pragma unroll 4
+          for (int e = 0; e < D; e += 8) {
+            float kf[8];
+            load8(kr + e, kf);
+            const float4 qa = *reinterpret_cast<const float4*>(qg + e);
+            const float4 qb = *reinterpret_cast<const float4*>(qg + e + 4);
+            d0 = fmaf(qa.x, kf[0], d0);
+            d1 = fmaf(qa.y, kf[1], d1);
+            d0 = fmaf(qa.z, kf[2], d0);
+            d1 = fmaf(qa.w, kf[3], d1);
+            d0 = fmaf(qb.x, kf[4], d0);
+            d1 = fmaf(qb.y, kf[5], d1);
+            d0 = fmaf(qb.z, kf[6], d0);
+            d1 = fmaf(qb.w, kf[7], d1);
+          }
+          sc = d0 + d1;
+        }
+        ps[t * kGMax + g] = sc;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: warp w owns heads w and w + 4.
+    for (int g = warp; g < ng; g += kRowThreads / 32) {
+      const float v = lane < TILE ? ps[lane * kGMax + g] : -INFINITY;
+      float mx = v;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, mx);
+      const float p = v == -INFINITY ? 0.f : exp2f(v - m_new);
+      if (lane < TILE) ps[lane * kGMax + g] = p;
+      float sum = p;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0) {
+        const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
+        m_s[g] = m_new;
+        l_s[g] = l_s[g] * alpha + sum;
+        al_s[g] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // acc = acc * alpha + P V.
+    float al[kGMax];
+#pragma unroll
+    for (int g = 0; g < kGMax; ++g) al[g] = g < ng ? al_s[g] : 0.f;
+#pragma unroll
+    for (int g = 0; g < kGMax; ++g) {
+      acc[g][0] *= al[g];
+      acc[g][1] *= al[g];
+    }
+    const int tn = min(TILE, k_end - k0);
+    for (int t = ph; t < tn; t += NPH) {
+      const float2 v = load2(vs + t * LD + 2 * pi);
+      const float4 pa = *reinterpret_cast<const float4*>(ps + t * kGMax);
+      const float4 pb = *reinterpret_cast<const float4*>(ps + t * kGMax + 4);
+      const float pr[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+      for (int g = 0; g < kGMax; ++g) {
+        acc[g][0] = fmaf(pr[g], v.x, acc[g][0]);
+        acc[g][1] = fmaf(pr[g], v.y, acc[g][1]);
+      }
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+
+  // Sum the token phases, normalize, store.
+  if constexpr (NPH > 1) {
+    float* red = reinterpret_cast<float*>(kvs);  // [NPH][kGMax][D] fits in the K/V stages
+#pragma unroll
+    for (int g = 0; g < kGMax; ++g) {
+      red[(ph * kGMax + g) * D + 2 * pi] = acc[g][0];
+      red[(ph * kGMax + g) * D + 2 * pi + 1] = acc[g][1];
+    }
+    __syncthreads();
+    for (int i = tid; i < ng * D; i += kRowThreads) {
+      const int g = i / D, d = i - g * D;
+      float v = 0.f;
+#pragma unroll
+      for (int p = 0; p < NPH; ++p) v += red[(p * kGMax + g) * D + d];
+      const float o = v / l_s[g];
+      if (a.nsplit == 1) static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + g) * D + d] = from_f<T>(o);
+      else a.part[((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d] = o;
+    }
+  } else {  // each thread owns dims 2 pi, 2 pi + 1 of every head
+#pragma unroll
+    for (int g = 0; g < kGMax; ++g) {
+      if (g < ng) {
+        const float inv = 1.f / l_s[g];
+        const int d = 2 * pi;
+        if (a.nsplit == 1) {
+          T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0 + g) * D + d;
+          o[0] = from_f<T>(acc[g][0] * inv);
+          o[1] = from_f<T>(acc[g][1] * inv);
+        } else {
+          float* o = a.part + ((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d;
+          o[0] = acc[g][0] * inv;
+          o[1] = acc[g][1] * inv;
+        }
+      }
+    }
+  }
+  if (a.nsplit > 1 && tid < ng) {
+    float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+    ml[0] = m_s[tid];
+    ml[1] = l_s[tid];
+  }
+}
+
+template <typename T>
+__global__ void attn_combine_kernel(const float* part, int num_tokens, int q_heads, int nsplit, int D, T* out,
+                                    int64_t out_stride) {
+  const int row = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+  const size_t base = size_t(row) * q_heads + h;
+  const float* ml = part + size_t(num_tokens) * q_heads * nsplit * D + base * nsplit * 2;
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[2 * s]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float m = ml[2 * s];
+      if (m == -INFINITY) continue;
+      const float w = ml[2 * s + 1] * exp2f(m - M);
+      num = fmaf(w, part[(base * nsplit + s) * D + d], num);
+      den += w;
+    }
+    out[int64_t(row) * out_stride + int64_t(h) * D + d] = from_f<T>(den > 0.f ? num / den : 0.f);
+  }
+}
+
+// ================================================================================================
+// Tile kernel (tensor cores)
+// ================================================================================================
+template <int D> struct TileCfg {
+  static constexpr int BM = 64;                   // (token, head) rows per block: 4 warps x 16
+  static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile
+  static constexpr int LD = D + 8;                // smem row pitch in elements (16-byte pad)
+  static constexpr size_t smem = size_t(BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
+};
+
+struct TileArgs {
+  const void* q;
+  int64_t q_stride;
+  const void* kc;
+  const void* vc;
+  const int32_t* q_start;
+  const int32_t* ctx_len;
+  const int32_t* page_table;
+  int max_pages, page_size, kv_heads, group, tokens_per_tile;
+  float scale_log2;
+  void* out;
+  int64_t out_stride;
+};
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) attn_tile_kernel(const TileArgs a) {
+  constexpr int BM = TileCfg<D>::BM, BN = TileCfg<D>::BN, LD = TileCfg<D>::LD;
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  constexpr int NT = BN / 8;  // n-tiles of S
+  constexpr int ND = D / 8;   // n-tiles of O
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* KVs = Qs + BM * LD;  // stage st: K at KVs + st*2*BN*LD, V after it
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int s = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+  const int qs0 = a.q_start[s];
+  const int q_len = a.q_start[s + 1] - qs0;
+  const int t0 = tile * a.tokens_per_tile;
+  if (t0 >= q_len) return;
+  const int G = a.group;
+  const int nt = min(a.tokens_per_tile, q_len - t0);
+  const int rows_valid = nt * G;
+  const int base_pos = a.ctx_len[s] - q_len + t0;  // position of the tile's first token
+  const int max_pos = base_pos + nt - 1;
+  const int n_keys = max_pos + 1;
+  const int n_tiles = (n_keys + BN - 1) / BN;
+
+  const int64_t kv_cols = int64_t(a.kv_heads) * D;
+  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
+  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
+  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+
+  // Q rows: r -> (token t0 + r / G, head kvh * G + r % G).
+  for (int c = tid; c < BM * CPR; c += 128) {
+    const int r = c / CPR, part = c - r * CPR;
+    const bool ok = r < rows_valid;
+    const T* src = static_cast<const T*>(a.q);
+    if (ok) src += int64_t(qs0 + t0 + r / G) * a.q_stride + int64_t(kvh * G + r % G) * D + part * 8;
+    cp_async16(Qs + r * LD + part * 8, src, ok);
+  }
+  auto issue = [&](int j, int stage) {
+    T* ks = KVs + stage * 2 * BN * LD;
+    T* vs = ks + BN * LD;
+    for (int c = tid; c < BN * CPR; c += 128) {
+      const int t = c / CPR, part = c - t * CPR;
+      const int key = j * BN + t;
+      const bool ok = key < n_keys;
+      const int64_t crow = ok ? int64_t(pages[key / a.page_size]) * a.page_size + (key % a.page_size) : 0;
+      cp_async16(ks + t * LD + part * 8, kbase + crow * kv_cols + part * 8, ok);
+      cp_async16(vs + t * LD + part * 8, vbase + crow * kv_cols + part * 8, ok);
+    }
+    cp_async_commit();
+  };
+  issue(0, 0);  // Q joins the first group
+
+  // This thread's two rows of the warp's 16: r0 = 16 warp + lane / 4, r1 = r0 + 8.
+  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
+  const int pos0 = r0 < rows_valid ? base_pos + r0 / G : max_pos;
+  const int pos1 = r1 < rows_valid ? base_pos + r1 / G : max_pos;
+
+  float o[ND][4];
+#pragma unroll
+  for (int i = 0; i < ND; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const unsigned q_addr = unsigned(__cvta_generic_to_shared(Qs)) +
+                          unsigned(((warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8) * 2);
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      issue(j + 1, (j + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* ks = KVs + (j & 1) * 2 * BN * LD;
+    const T* vs = ks + BN * LD;
+    const unsigned k_addr = unsigned(__cvta_generic_to_shared(ks)) +
+                            unsigned((((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2);
+    const unsigned v_addr = unsigned(__cvta_generic_to_shared(vs)) +
+                            unsigned((((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + (lane >> 4) * 8) * 2);
+
+    // S = Q K^T
+    float sc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(q_addr + kk * 32, a0, a1, a2, a3);
+#pragma unroll
+      for (int nn = 0; nn < NT / 2; ++nn) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(k_addr + unsigned(nn * 16 * LD * 2) + kk * 32, b0, b1, b2, b3);
+        mma16816<T>(sc[2 * nn], a0, a1, a2, a3, b0, b1);
+        mma16816<T>(sc[2 * nn + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+
+    // Scale, causal mask, online softmax (rows r0: elements 0,1; r1: elements 2,3).
+    const bool need_mask = (j + 1) * BN - 1 > base_pos;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int key = j * BN + i * 8 + (lane & 3) * 2;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[i][e] * a.scale_log2;
+        if (need_mask) {
+          const int kk = key + (e & 1);
+          if (kk > (e < 2 ? pos0 : pos1)) v = -INFINITY;
+        }
+        sc[i][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(sc[i][0], sc[i][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[i][2], sc[i][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - mn0);
+    const float al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      sc[i][0] = exp2f(sc[i][0] - mn0);
+      sc[i][1] = exp2f(sc[i][1] - mn0);
+      sc[i][2] = exp2f(sc[i][2] - mn1);
+      sc[i][3] = exp2f(sc[i][3] - mn1);
+      s0 += sc[i][0] + sc[i][1];
+      s1 += sc[i][2] + sc[i][3];
+    }
+    l0 = l0 * al0 + s0;
+    l1 = l1 * al1 + s1;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+      o[i][0] *= al0;
+      o[i][1] *= al0;
+      o[i][2] *= al1;
+      o[i][3] *= al1;
+    }
+
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t a0 = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
+      const uint32_t a1 = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+      const uint32_t a2 = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      const uint32_t a3 = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int nd = 0; nd < ND / 2; ++nd) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(v_addr + unsigned(kk * 16 * LD * 2) + nd * 32, b0, b1, b2, b3);
+        mma16816<T>(o[2 * nd], a0, a1, a2, a3, b0, b1);
+        mma16816<T>(o[2 * nd + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+    __syncthreads();  // this stage is refilled next iteration
+  }
+
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+  T* out = static_cast<T*>(a.out);
+  const int col = (lane & 3) * 2;
+  if (r0 < rows_valid) {
+    T* p = out + int64_t(qs0 + t0 + r0 / G) * a.out_stride + int64_t(kvh * G + r0 % G) * D + col;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[i][0] * inv0, o[i][1] * inv0);
+  }
+  if (r1 < rows_valid) {
+    T* p = out + int64_t(qs0 + t0 + r1 / G) * a.out_stride + int64_t(kvh * G + r1 % G) * D + col;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[i][2] * inv1, o[i][3] * inv1);
+  }
+}
+
+// ================================================================================================
+// Host side
+// ================================================================================================
+int choose_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  const int group = sh.q_heads / sh.kv_heads;
+  const int gsubs = (group + kGMax - 1) / kGMax;
+  const int64_t base = int64_t(b.num_tokens) * sh.kv_heads * gsubs;
+  if (base <= 0) return 1;
+  const int64_t target = int64_t(4) * num_sms;
+  int64_t n = (target + base - 1) / base;
+  n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + 31) / 32);
+  n = std::min<int64_t>(n, kMaxSplits);
+  return int(std::max<int64_t>(n, 1));
+}
+
+void check_shape(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, const Tensor& out) {
+  QRT_CHECK(sh.head_dim == 64 || sh.head_dim == 128 || sh.head_dim == 256, "cuda attention: head_dim ",
+            sh.head_dim, " is not supported (64, 128, 256)");
+  QRT_CHECK(sh.kv_heads > 0 && sh.q_heads % sh.kv_heads == 0, "cuda attention: ", sh.q_heads,
+            " query heads are not a multiple of ", sh.kv_heads, " kv heads");
+  QRT_CHECK(q.dtype == cache.dtype && out.dtype == q.dtype, "cuda attention: q ", dtype_name(q.dtype), ", cache ",
+            dtype_name(cache.dtype), ", out ", dtype_name(out.dtype), " must match");
+  QRT_CHECK(q.cols >= int64_t(sh.q_heads) * sh.head_dim && out.cols >= int64_t(sh.q_heads) * sh.head_dim,
+            "cuda attention: q/out have too few columns");
+  QRT_CHECK(q.rows >= b.num_tokens && out.rows >= b.num_tokens, "cuda attention: q/out have too few rows");
+  QRT_CHECK(b.page_size > 0, "cuda attention: bad page size ", b.page_size);
+}
+
+template <typename T, int D>
+void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+              const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
+  const int group = sh.q_heads / sh.kv_heads;
+  RowsArgs a;
+  a.q = q.data;
+  a.q_stride = q.stride;
+  a.kc = cache.k;
+  a.vc = cache.v;
+  a.q_start = b.q_start;
+  a.ctx_len = b.ctx_len;
+  a.page_table = b.page_table;
+  a.max_pages = b.max_pages;
+  a.page_size = b.page_size;
+  a.num_seqs = b.num_seqs;
+  a.kv_heads = sh.kv_heads;
+  a.group = group;
+  a.gsubs = (group + kGMax - 1) / kGMax;
+  a.q_heads = sh.q_heads;
+  a.scale_log2 = sh.scale * kLog2e;
+  a.out = out.data;
+  a.out_stride = out.stride;
+  a.part = ws.partial;
+  a.nsplit = nsplit;
+  a.num_tokens = b.num_tokens;
+  constexpr size_t smem = rows_smem_bytes<T, D>();
+  check(cudaFuncSetAttribute(attn_rows_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        "attention (smem attribute)");
+  dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
+  attn_rows_kernel<T, D><<<grid, kRowThreads, smem, st>>>(a);
+  check_launch("attention (rows)");
+  if (nsplit > 1) {
+    attn_combine_kernel<T><<<unsigned(b.num_tokens * sh.q_heads), D, 0, st>>>(
+        ws.partial, b.num_tokens, sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
+    check_launch("attention (combine)");
+  }
+}
+
+template <typename T, int D>
+void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+              cudaStream_t st) {
+  const int group = sh.q_heads / sh.kv_heads;
+  TileArgs a;
+  a.q = q.data;
+  a.q_stride = q.stride;
+  a.kc = cache.k;
+  a.vc = cache.v;
+  a.q_start = b.q_start;
+  a.ctx_len = b.ctx_len;
+  a.page_table = b.page_table;
+  a.max_pages = b.max_pages;
+  a.page_size = b.page_size;
+  a.kv_heads = sh.kv_heads;
+  a.group = group;
+  a.tokens_per_tile = TileCfg<D>::BM / group;
+  a.scale_log2 = sh.scale * kLog2e;
+  a.out = out.data;
+  a.out_stride = out.stride;
+  constexpr size_t smem = TileCfg<D>::smem;
+  check(cudaFuncSetAttribute(attn_tile_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        "attention (smem attribute)");
+  const int tiles = (std::max(b.max_q_len, 1) + a.tokens_per_tile - 1) / a.tokens_per_tile;
+  dim3 grid(unsigned(tiles), unsigned(sh.kv_heads), unsigned(b.num_seqs));
+  attn_tile_kernel<T, D><<<grid, 128, smem, st>>>(a);
+  check_launch("attention (tile)");
+}
+
+template <typename T>
+void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+               const AttnWorkspace& ws, int num_sms, cudaStream_t st) {
+  const int group = sh.q_heads / sh.kv_heads;
+  const int es = int(sizeof(T));
+  const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
+                        uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
+  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM && aligned;
+  if (tile) {
+    if constexpr (sizeof(T) == 2) {
+      switch (sh.head_dim) {
+        case 64: run_tile<T, 64>(q, cache, b, sh, out, st); return;
+        case 128: run_tile<T, 128>(q, cache, b, sh, out, st); return;
+        case 256: run_tile<T, 256>(q, cache, b, sh, out, st); return;
+      }
+    }
+  }
+  int nsplit = choose_splits(b, sh, num_sms);
+  const size_t need = size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
+  if (nsplit > 1 && (ws.partial == nullptr || ws.bytes < need)) nsplit = 1;
+  switch (sh.head_dim) {
+    case 64: run_rows<T, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
+    case 128: run_rows<T, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
+    case 256: run_rows<T, 256>(q, cache, b, sh, out, ws, nsplit, st); return;
+  }
+}
+
+}  // namespace
+
+size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  if (b.num_tokens <= 0 || sh.kv_heads <= 0 || sh.q_heads % sh.kv_heads != 0) return 0;
+  const int nsplit = choose_splits(b, sh, num_sms);
+  if (nsplit <= 1) return 0;
+  return size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
+}
+
+void launch_attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                      const AttnWorkspace& ws, int num_sms, cudaStream_t st) {
+  check_shape(q, cache, b, sh, out);
+  if (b.num_tokens == 0 || b.num_seqs == 0) return;
+  dispatch_act(q.dtype, "attention", [&](auto tag) {
+    using T = decltype(tag);
+    run_typed<T>(q, cache, b, sh, out, ws, num_sms, st);
+  });
+}
+
+}  // namespace qrt::cuda

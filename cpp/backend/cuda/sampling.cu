@@ -1,0 +1,272 @@
+// Sampling on the GPU with the semantics stated at the end of ops.h: one block per row.
+// Thresholds (top_k, top_p cut, top_p ties) are found by bitwise searches over order-preserving
+// integer keys, each step one pass over the row with a block-wide reduction; no sorting.
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/random.h"
+
+namespace qrt::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+
+struct Cand {
+  float v;
+  int i;
+};
+// a before b in the order (value descending, id ascending); NaN never wins.
+__device__ __forceinline__ bool better(const Cand& a, const Cand& b) {
+  if (b.i < 0) return a.i >= 0;
+  if (a.i < 0) return false;
+  return a.v > b.v || (a.v == b.v && a.i < b.i);
+}
+
+template <typename T> __device__ __forceinline__ T shfl(T v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+
+struct MaxOp { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+struct SumF { __device__ float operator()(float a, float b) const { return a + b; } };
+struct SumD { __device__ double operator()(double a, double b) const { return a + b; } };
+struct SumI { __device__ int operator()(int a, int b) const { return a + b; } };
+
+// All threads get the result. Each instantiation has its own shared scratch.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op) {
+  __shared__ T sm[kWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, shfl(v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sm[warp] = v;
+  __syncthreads();
+  T r = sm[0];
+  for (int w = 1; w < kWarps; ++w) r = op(r, sm[w]);
+  __syncthreads();
+  return r;
+}
+
+__device__ Cand block_best(Cand c) {
+  __shared__ Cand sm[kWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Cand x{shfl(c.v, o), shfl(c.i, o)};
+    if (better(x, c)) c = x;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sm[warp] = c;
+  __syncthreads();
+  Cand r = sm[0];
+  for (int w = 1; w < kWarps; ++w)
+    if (better(sm[w], r)) r = sm[w];
+  __syncthreads();
+  return r;
+}
+
+// Order-preserving key of a float (larger float, larger key); -0 and +0 share a key.
+__device__ __forceinline__ uint32_t fkey(float f) {
+  if (f == 0.0f) f = 0.0f;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int V, int64_t stride,
+                                                           const SampleParamsDev* params, const int32_t* lists,
+                                                           float* scratch, int max_n, int32_t* tok_out,
+                                                           float* lp_out, int32_t* top_ids, float* top_lps) {
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const SampleParamsDev p = params[r];
+  const float* raw = logits + int64_t(r) * stride;
+
+  // 1. log_softmax of the raw logits (and the raw argmax).
+  float m = -INFINITY, se = 0.f;
+  Cand best{0.f, -1};
+  for (int i = tid; i < V; i += kThreads) {
+    const float v = raw[i];
+    if (v > m) {
+      se = se * expf(m - v) + 1.f;
+      m = v;
+    } else if (v != -INFINITY) {
+      se += expf(v - m);
+    }
+    const Cand c{v, i};
+    if (better(c, best)) best = c;
+  }
+  const float M = block_reduce(m, MaxOp{});
+  se = m == -INFINITY ? 0.f : se * expf(m - M);
+  const float S = block_reduce(se, SumF{});
+  const float lse = M + logf(S);
+  best = block_best(best);
+
+  // Top-N raw logprobs: N passes, each the best strictly after the previous one.
+  if (max_n > 0) {
+    Cand prev{INFINITY, -1};
+    for (int k = 0; k < max_n; ++k) {
+      Cand c{0.f, -1};
+      if (k < p.num_logprobs) {
+        for (int i = tid; i < V; i += kThreads) {
+          const float v = raw[i];
+          const bool after = prev.i < 0 || v < prev.v || (v == prev.v && i > prev.i);
+          const Cand x{v, i};
+          if (after && better(x, c)) c = x;
+        }
+        c = block_best(c);
+        prev = c;
+      }
+      if (tid == 0) {
+        const bool ok = k < p.num_logprobs && c.i >= 0;
+        top_ids[int64_t(r) * max_n + k] = ok ? c.i : -1;
+        top_lps[int64_t(r) * max_n + k] = ok ? c.v - lse : -INFINITY;
+      }
+    }
+  }
+
+  if (!p.needs_copy) {  // greedy on the raw logits
+    if (tid == 0) {
+      const int tok = best.i < 0 ? 0 : best.i;
+      tok_out[r] = tok;
+      lp_out[r] = raw[tok] - lse;
+    }
+    return;
+  }
+
+  // 2-4. x = raw with banned tokens and penalties.
+  float* x = scratch + int64_t(r) * V;
+  for (int i = tid; i < V; i += kThreads) x[i] = raw[i];
+  __syncthreads();
+  for (int j = tid; j < p.banned_n; j += kThreads) {
+    const int t = lists[p.banned_off + j];
+    if (t >= 0 && t < V) x[t] = -INFINITY;
+  }
+  __syncthreads();
+  for (int j = tid; j < p.seen_n; j += kThreads) {
+    const int t = lists[p.seen_off + j];
+    if (t >= 0 && t < V) x[t] = x[t] > 0 ? x[t] / p.repetition_penalty : x[t] * p.repetition_penalty;
+  }
+  __syncthreads();
+  for (int j = tid; j < p.out_n; j += kThreads) {
+    const int t = lists[p.out_off + j];
+    const int c = lists[p.out_off + p.out_n + j];
+    if (t >= 0 && t < V) x[t] -= float(c) * p.frequency_penalty + p.presence_penalty;
+  }
+  __syncthreads();
+
+  int tok = -1;
+  if (p.inv_temperature == 0.0f) {  // 5. greedy
+    Cand c{0.f, -1};
+    for (int i = tid; i < V; i += kThreads) {
+      const Cand y{x[i], i};
+      if (better(y, c)) c = y;
+    }
+    c = block_best(c);
+    tok = c.i < 0 ? 0 : c.i;
+  } else {
+    // 6. temperature
+    float mx = -INFINITY;
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = x[i] * p.inv_temperature;
+      x[i] = v;
+      mx = fmaxf(mx, v);
+    }
+    const float kmx = block_reduce(mx, MaxOp{});  // the maximum is always kept
+    // top_k: the k-th largest value (with multiplicity) by a bitwise search over keys.
+    float thr_k = -INFINITY;
+    if (p.top_k > 0 && p.top_k < V) {
+      uint32_t K = 0;
+      for (int b = 31; b >= 0; --b) {
+        const uint32_t cand = K | (1u << b);
+        int cnt = 0;
+        for (int i = tid; i < V; i += kThreads) cnt += fkey(x[i]) >= cand;
+        if (block_reduce(cnt, SumI{}) >= p.top_k) K = cand;
+      }
+      thr_k = key_value(K);
+    }
+    // top_p: the smallest prefix (value desc, id asc) of the kept whose mass reaches top_p.
+    uint32_t cut_key = 0;  // kept: key > cut_key, or key == cut_key and id <= cut_id
+    int cut_id = V;
+    if (p.top_p < 1.0f && kmx != -INFINITY) {
+      double z = 0.0;
+      for (int i = tid; i < V; i += kThreads)
+        if (x[i] >= thr_k) z += double(expf(x[i] - kmx));
+      z = block_reduce(z, SumD{});
+      const double tp = double(p.top_p);
+      auto mass_from = [&](uint32_t k) {  // mass of the kept with key >= k
+        double ms = 0.0;
+        for (int i = tid; i < V; i += kThreads) {
+          const float v = x[i];
+          if (v >= thr_k && fkey(v) >= k) ms += double(expf(v - kmx));
+        }
+        return block_reduce(ms, SumD{});
+      };
+      if (mass_from(0) / z >= tp) {
+        uint32_t K = 0;
+        for (int b = 31; b >= 0; --b) {
+          const uint32_t cand = K | (1u << b);
+          if (mass_from(cand) / z >= tp) K = cand;
+        }
+        // K is the cut value; how many of its ties (in id order) complete the mass?
+        const double above = K == 0xffffffffu ? 0.0 : mass_from(K + 1);
+        int ties = 0;
+        for (int i = tid; i < V; i += kThreads) ties += x[i] >= thr_k && fkey(x[i]) == K;
+        ties = block_reduce(ties, SumI{});
+        const double e = double(expf(key_value(K) - kmx));
+        int need = ties;
+        double cum = above / z;
+        for (int j = 1; j <= ties; ++j) {
+          cum += e / z;
+          if (cum >= tp) {
+            need = j;
+            break;
+          }
+        }
+        cut_key = K;
+        if (need < ties) {  // the need-th smallest id among the ties
+          int I = -1;       // largest id with count(tie ids <= I) < need
+          for (int b = 30; b >= 0; --b) {
+            const int cand = I + (1 << b);
+            if (cand >= V) continue;
+            int cnt = 0;
+            for (int i = tid; i <= cand && i < V; i += kThreads) cnt += x[i] >= thr_k && fkey(x[i]) == K;
+            if (block_reduce(cnt, SumI{}) < need) I = cand;
+          }
+          cut_id = I + 1;
+        }
+      }
+    }
+    // min_p, then 7. Gumbel-max over the kept.
+    const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+    Cand g{0.f, -1}, fallback{0.f, -1};
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = x[i];
+      if (v < thr_k) continue;
+      const uint32_t k = fkey(v);
+      if (k < cut_key || (k == cut_key && i > cut_id)) continue;
+      const Cand f{v, i};
+      if (better(f, fallback)) fallback = f;
+      if (v < floor_v || v == -INFINITY) continue;
+      const float u = uniform01(p.seed, uint64_t(p.draw), uint64_t(i));
+      const Cand c{v - logf(-logf(u)), i};
+      if (better(c, g)) g = c;
+    }
+    g = block_best(g);
+    fallback = block_best(fallback);
+    tok = g.i >= 0 ? g.i : (fallback.i >= 0 ? fallback.i : 0);
+  }
+  if (tid == 0) {
+    tok_out[r] = tok;
+    lp_out[r] = raw[tok] - lse;
+  }
+}
+
+}  // namespace
+
+void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const SampleParamsDev* params,
+                   const int32_t* lists, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
+                   int32_t* top_ids, float* top_lps, cudaStream_t s) {
+  if (rows == 0) return;
+  sample_kernel<<<unsigned(rows), kThreads, 0, s>>>(logits, int(vocab), stride, params, lists, scratch, max_n,
+                                                     tok_out, lp_out, top_ids, top_lps);
+  check_launch("sample");
+}
+
+}  // namespace qrt::cuda
