@@ -1,0 +1,302 @@
+"""GPU benchmark (`qwen-rt bench gpu`): qwen_rt on real Qwen shapes with random weights, against the
+physical limits measured in the same run (copy bandwidth, bf16 matmul rate) and side by side with
+transformers on the same config.
+
+Figures:
+  decode    batch-1 (and batch-N) decode tokens/s and MBU = bytes one step reads / step time / copy bandwidth
+  offline   512 requests of 128 prompt + 128 output tokens; 1000 requests with lengths drawn from 32..2048
+  prefill   time to first token, prefill tokens/s and MFU for long prompts
+  startup   Generator() to first token with the weights in safetensors files on local disk
+  hf        transformers (sdpa; dynamic and static cache) batch-1 and batch-N decode on the same config
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def measure_limits() -> dict:
+    """Copy bandwidth (bytes read + written) and the dense bf16 matmul rate, through torch."""
+    torch = _torch()
+    n = 1 << 30  # 1 GiB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record(); b.copy_(a); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    bw = 2 * n / times[len(times) // 2]
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s.record(); x @ y; e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    flops = 2 * m ** 3 / times[len(times) // 2]
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_bw": bw, "bf16_flops": flops}
+
+
+def _cfg_numbers(cfg: dict) -> dict:
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or H // hq
+    inter = cfg["intermediate_size"]
+    layer = H * (hq + 2 * hkv) * D + hq * D * H + 3 * H * inter
+    return dict(H=H, L=L, V=V, hq=hq, hkv=hkv, D=D, matmul_params=L * layer, lm_head=V * H,
+                kv_bytes_per_token=L * 2 * hkv * D * 2, tied=bool(cfg.get("tie_word_embeddings")))
+
+
+def step_bytes(cfg: dict, batch: int, ctx: float) -> float:
+    """Bytes one decode step must read in bf16: every matrix once, the LM head, the norms, the KV of
+    every sequence."""
+    c = _cfg_numbers(cfg)
+    norms = c["L"] * (2 * c["H"] + 2 * c["D"]) * 4 + c["H"] * 4
+    return 2 * (c["matmul_params"] + c["lm_head"]) + norms + batch * ctx * c["kv_bytes_per_token"]
+
+
+def prefill_flops(cfg: dict, n: int) -> float:
+    c = _cfg_numbers(cfg)
+    return 2 * n * c["matmul_params"] + 2 * c["L"] * c["hq"] * c["D"] * n * n + 2 * c["lm_head"]
+
+
+def _gen(model, **kw):
+    from qwen_rt import Generator
+    return Generator(model, device="cuda", dtype="bfloat16", load_format=kw.pop("load_format", "dummy"),
+                     progress=False, **kw)
+
+
+def _prompts(rng, n, length, vocab):
+    return [rng.integers(10, vocab - 10, size=length).tolist() for _ in range(n)]
+
+
+def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: dict, rng) -> list[dict]:
+    rows = []
+    g = _gen(model, max_batch_size=max(batches), max_model_len=prompt_len + new_tokens + 16,
+             max_num_batched_tokens=max(2048, prompt_len * max(batches) if prompt_len * max(batches) <= 16384 else 16384))
+    cfg = g.config
+    try:
+        for b in batches:
+            ps = _prompts(rng, b, prompt_len, cfg["vocab_size"])
+            g.generate(ps, max_tokens=4, ignore_eos=True, temperature=0)  # warm-up: graphs for this bucket
+            t = time.perf_counter(); g.generate(ps, max_tokens=1, ignore_eos=True, temperature=0)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter(); g.generate(ps, max_tokens=new_tokens, ignore_eos=True, temperature=0)
+            tn = time.perf_counter() - t
+            step = (tn - t1) / (new_tokens - 1)
+            ctx = prompt_len + new_tokens / 2
+            mbu = step_bytes(cfg, b, ctx) / step / limits["copy_bw"]
+            rows.append({"model": model, "batch": b, "step_ms": round(step * 1e3, 3),
+                         "decode_tok_s": round(b / step, 1), "mbu": round(mbu, 3),
+                         "e2e_tok_s": round(b * new_tokens / tn, 1)})
+            log(rows[-1])
+    finally:
+        g.close()
+    return rows
+
+
+def bench_offline(model: str, limits: dict, rng, n_fixed=512, n_random=1000) -> list[dict]:
+    rows = []
+    g = _gen(model, max_batch_size=256, max_model_len=4096 + 16, max_num_batched_tokens=8192)
+    V = g.config["vocab_size"]
+    try:
+        ps = _prompts(rng, 8, 128, V)
+        g.generate(ps, max_tokens=8, ignore_eos=True)
+        if n_fixed:
+            ps = _prompts(rng, n_fixed, 128, V)
+            t = time.perf_counter(); outs = g.generate(ps, max_tokens=128, ignore_eos=True, temperature=0.8, top_p=0.95)
+            el = time.perf_counter() - t
+            toks = sum(len(o.token_ids) for o in outs)
+            rows.append({"model": model, "workload": f"{n_fixed} x 128/128", "output_tok_s": round(toks / el, 1),
+                         "total_tok_s": round((toks + 128 * n_fixed) / el, 1), "seconds": round(el, 2)})
+            log(rows[-1])
+        if n_random:
+            lens = rng.integers(32, 2049, size=(n_random, 2))
+            ps = [rng.integers(10, V - 10, size=int(p)).tolist() for p, _ in lens]
+            from qwen_rt import SamplingParams
+            t = time.perf_counter()
+            reqs = [g.submit(p, SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=0.8, top_p=0.95))
+                    for p, (_, o) in zip(ps, lens)]
+            outs = [r.result() for r in reqs]
+            el = time.perf_counter() - t
+            toks = sum(len(o.token_ids) for o in outs)
+            rows.append({"model": model, "workload": f"{n_random} x U(32,2048)/U(32,2048)",
+                         "output_tok_s": round(toks / el, 1), "total_tok_s": round((toks + int(lens[:, 0].sum())) / el, 1),
+                         "seconds": round(el, 2)})
+            log(rows[-1])
+        rows[-1]["preemptions"] = g.stats()["preemptions"]
+    finally:
+        g.close()
+    return rows
+
+
+def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
+    rows = []
+    g = _gen(model, max_batch_size=4, max_model_len=max(lengths) + 16, max_num_batched_tokens=8192)
+    cfg = g.config
+    try:
+        g.generate(_prompts(rng, 1, 512, cfg["vocab_size"]), max_tokens=1)
+        for n in lengths:
+            p = _prompts(rng, 1, n, cfg["vocab_size"])
+            g.generate(p, max_tokens=1, ignore_eos=True)
+            best = None
+            for _ in range(2):
+                t = time.perf_counter(); g.generate(p, max_tokens=1, ignore_eos=True); el = time.perf_counter() - t
+                best = el if best is None else min(best, el)
+            mfu = prefill_flops(cfg, n) / best / limits["bf16_flops"]
+            rows.append({"model": model, "prompt": n, "ttft_ms": round(best * 1e3, 1),
+                         "prefill_tok_s": round(n / best, 1), "mfu": round(mfu, 3)})
+            log(rows[-1])
+    finally:
+        g.close()
+    return rows
+
+
+def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, compile_: bool = False) -> list[dict]:
+    """transformers on the same config (random weights), sdpa, dynamic and static cache."""
+    torch = _torch()
+    import transformers
+    from qwen_rt.model_files import resolve
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in resolve(model, load_format="dummy").config.items()
+                                               if k not in ("architectures", "transformers_version")})
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    rows = []
+    try:
+        for b in batches:
+            ids = torch.tensor(_prompts(rng, b, prompt_len, cfg.vocab_size), device="cuda")
+            for cache in ("dynamic", "static"):
+                kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+                if cache == "static":
+                    kw["cache_implementation"] = "static"
+                try:
+                    with torch.inference_mode():
+                        m.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+                        torch.cuda.synchronize()
+                        t = time.perf_counter(); m.generate(ids, **kw); torch.cuda.synchronize()
+                        el = time.perf_counter() - t
+                    rows.append({"model": model, "impl": f"transformers sdpa {cache}", "batch": b,
+                                 "e2e_tok_s": round(b * new_tokens / el, 1)})
+                except Exception as e:  # report, do not hide
+                    rows.append({"model": model, "impl": f"transformers sdpa {cache}", "batch": b,
+                                 "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                log(rows[-1])
+    finally:
+        del m
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_startup(model: str, rng) -> list[dict]:
+    """Writes random weights of the model's shape as safetensors, then times Generator() -> first token."""
+    torch = _torch()
+    import transformers
+    from qwen_rt.model_files import resolve
+    files = resolve(model, load_format="dummy")
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in files.config.items()
+                                               if k not in ("architectures", "transformers_version")})
+    cfg.architectures = files.config.get("architectures")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("QWEN_RT_BENCH_DIR")) as d:
+        with torch.device("cuda"):
+            m = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        t = time.perf_counter(); m.save_pretrained(d); el_save = time.perf_counter() - t
+        del m
+        gc.collect(); torch.cuda.empty_cache()
+        os.sync()
+        from qwen_rt import Generator
+        t = time.perf_counter()
+        g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096)
+        t_init = time.perf_counter() - t
+        g.generate([[1, 2, 3, 4]], max_tokens=1)
+        t_first = time.perf_counter() - t
+        g.close()
+        rows.append({"model": model, "save_s": round(el_save, 1), "generator_s": round(t_init, 2),
+                     "to_first_token_s": round(t_first, 2)})
+        log(rows[-1])
+    return rows
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("gpu", help="qwen_rt on the GPU: decode/offline/prefill/startup vs the roofline and transformers")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
+    p.add_argument("--parts", default="decode,offline,prefill,hf,startup")
+    p.add_argument("--decode-batches", default="1,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--offline-model", default="qwen3-8b")
+    p.add_argument("--offline-random", type=int, default=1000)
+    p.add_argument("--prefill-model", default="qwen3-8b")
+    p.add_argument("--prefill-lengths", default="1024,8192,32768")
+    p.add_argument("--hf-model", default="qwen3-8b")
+    p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
+
+
+def run(args) -> int:
+    import numpy as np
+    from qwen_rt.cli import print_table
+    rng = np.random.default_rng(args.seed)
+    parts = set(x.strip() for x in args.parts.split(","))
+    limits = measure_limits()
+    log(f"measured: copy {limits['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
+    torch = _torch()
+    rec = {"device": torch.cuda.get_device_name(0), "limits": limits, "date": time.strftime("%Y-%m-%d"),
+           "commit": os.environ.get("QWEN_RT_COMMIT")}
+    batches = [int(x) for x in args.decode_batches.split(",")]
+    if "decode" in parts:
+        rec["decode"] = []
+        for m in args.models.split(","):
+            rec["decode"] += bench_decode(m, batches, args.prompt_len, args.new_tokens, limits, rng)
+        print_table(rec["decode"])
+    if "hf" in parts:
+        rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng)
+        print_table(rec["hf"])
+    if "offline" in parts:
+        rec["offline"] = bench_offline(args.offline_model, limits, rng, n_random=args.offline_random)
+        print_table(rec["offline"])
+    if "prefill" in parts:
+        rec["prefill"] = bench_prefill(args.prefill_model, [int(x) for x in args.prefill_lengths.split(",")], limits, rng)
+        print_table(rec["prefill"])
+    if "startup" in parts:
+        rec["startup"] = []
+        for m in args.startup_models.split(","):
+            rec["startup"] += bench_startup(m, rng)
+        print_table(rec["startup"])
+    line = json.dumps(rec)
+    print(line)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(line + "\n")
+    return 0
