@@ -6,10 +6,8 @@ folder, loads it back with transformers, prints greedy margins).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
-import os
 import shutil
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 generator keeps serving correct results afterwards."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest

@@ -403,9 +403,14 @@ def test_chatml_template_whitespace_and_loopcontrols(tmp_path, agp):
                 + ("<|im_start|>assistant\n" if agp else ""))
     assert tok.apply_chat_template(convs[0], add_generation_prompt=agp) == expected
     assert tok.apply_chat_template(convs[0], add_generation_prompt=agp, eos_in_prompt=1).endswith("<|im_end|>")
-    import jinja2
-    with pytest.raises(jinja2.TemplateError, match="bad role"):
+    with pytest.raises(ValueError, match="bad role"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(TypeError):
+        tok.apply_chat_template("not a list")
+    with pytest.raises(TypeError):
+        tok.apply_chat_template(["not a dict"])
 
 
 def test_template_sources(tmp_path):
@@ -430,5 +435,6 @@ def test_tojson_and_sandbox(tmp_path):
     assert c == "4"
     import jinja2
     t = _train(tmp_path, template="{{ messages.__class__ }}{% set x = messages.append(1) %}")
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="SecurityError") as info:
         t.apply_chat_template([{"role": "user", "content": "x"}])
+    assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)

@@ -218,8 +218,12 @@ def run_cpu(args) -> int:
                 for dtype in _csv(args.dtype):
                     folder = folders.get(dtype, folders["float32"])
                     try:
-                        gen = Generator(str(folder), device="cpu", dtype=dtype, max_batch_size=max(batch_sizes),
-                                        max_model_len=max(P + N + 16, 256), seed=args.seed)
+                        kw = dict(device="cpu", dtype=dtype, max_batch_size=max(batch_sizes),
+                                  max_model_len=max(P + N + 16, 256), seed=args.seed)
+                        try:
+                            gen = Generator(str(folder), num_threads=threads, progress=False, **kw)
+                        except TypeError:  # a Generator without num_threads
+                            gen = Generator(str(folder), **kw)
                     except Exception as e:
                         log(f"qwen_rt {dtype}: Generator failed: {type(e).__name__}: {e}")
                         results.append({"engine": "qwen_rt", "dtype": dtype, "variant": "", "batch": None,

@@ -112,15 +112,30 @@ class Request:
                 d[int(t)] = float(out.logprobs[i])
                 self.logprobs.append(d)
         # The stop token itself (eos / stop_token_ids) is kept in token_ids but not in the text.
-        text_tokens = tokens[:-1] if reason == "stop" and tokens else tokens
-        text = self._detok.push(text_tokens) if self._detok else ""
-        if reason is not None and self._detok:
-            text += self._detok.flush()
+        n_text = len(tokens) - 1 if reason == "stop" and tokens else len(tokens)
+        text = ""
         stopped = False
-        if self._stop is not None:
-            text, stopped = self._stop.feed(text)
-            if reason is not None and not stopped:
-                text += self._stop.flush()
+        kept = len(tokens)
+        if self._stop is None:
+            text = self._detok.push(tokens[:n_text]) if self._detok else ""
+            if reason is not None and self._detok:
+                text += self._detok.flush()
+        else:  # token by token, so the request ends at the token that completes a stop string
+            for i in range(n_text):
+                piece, stopped = self._stop.feed(self._detok.push([tokens[i]]) if self._detok else "")
+                text += piece
+                if stopped:
+                    kept = i + 1
+                    break
+            if not stopped and reason is not None:
+                tail = self._detok.flush() if self._detok else ""
+                piece, stopped = self._stop.feed(tail)
+                text += piece
+                if not stopped:
+                    text += self._stop.flush()
+        tokens = tokens[:kept]
+        if self.logprobs is not None and kept < len(out.tokens):
+            del self.logprobs[len(self.token_ids) + kept:]
         self.token_ids.extend(tokens)
         self.text += text
         if stopped and reason is None:  # a stop string: end the request in the engine now

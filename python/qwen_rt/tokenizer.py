@@ -56,6 +56,8 @@ def _normalize_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {type(m).__name__}")
         m = {k: v for k, v in m.items() if v is not None}
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"chat message {len(out)} has no 'role' string: {m!r}"[:200])
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
@@ -153,7 +155,8 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders messages with the model's chat template, as transformers'
         apply_chat_template(..., tokenize=False) does. kwargs reach the template (tools, documents,
-        enable_thinking, ...); a `chat_template` kwarg replaces the model's template."""
+        enable_thinking, ...); a `chat_template` kwarg replaces the model's template. Messages without a
+        role, and errors the template raises (raise_exception, undefined fields, sandbox), are ValueError."""
         template = kwargs.pop("chat_template", None) or self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
@@ -165,9 +168,15 @@ class Tokenizer:
         tools = kwargs.pop("tools", None)
         documents = kwargs.pop("documents", None)
         variables = {**self.special_tokens, **kwargs}
-        return _compile_template(template).render(
-            messages=_normalize_messages(messages), tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt, **variables)
+        messages = _normalize_messages(messages)
+        import jinja2
+
+        try:
+            return _compile_template(template).render(
+                messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:  # raise_exception(), undefined fields, sandbox violations
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,525 @@
+"""CUDA backend ops against the CPU reference, through the native op harness (_core.OpHarness).
+
+Every CUDA op runs on random inputs of many shapes (odd sizes too) and is compared with the CPU op on
+the same inputs. In bf16/fp16 mode the inputs are rounded to that dtype first, so both backends see
+the same values and the CPU result is the fp32 answer to the question the GPU was asked.
+Skipped without a CUDA device or without the native module.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+try:
+    from qwen_rt import _core
+except Exception as exc:  # pragma: no cover - depends on the build
+    pytest.skip(f"qwen_rt native module cannot be imported: {exc}", allow_module_level=True)
+
+if not hasattr(_core, "OpHarness"):
+    pytest.skip("the native module has no OpHarness", allow_module_level=True)
+if _core.cuda_device_count() == 0:
+    pytest.skip("no CUDA device (or the CUDA plugin is missing)", allow_module_level=True)
+
+DEVICE = "cuda:0"
+ACTS = ["float32", "bfloat16", "float16"]
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x (float32) rounded to dtype and back, round to nearest even like the runtime."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x.copy()
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        u = x.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.astype(np.uint32).view(np.float32)
+    raise ValueError(dtype)
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.all(np.isfinite(a)), "non-finite values in the CUDA result"
+    den = np.linalg.norm(b)
+    num = np.linalg.norm(a - b)
+    return float(num / den) if den > 0 else float(num)
+
+
+def rand(rng, shape, lo=-1.0, hi=1.0, dtype="float32"):
+    return round_to(rng.uniform(lo, hi, size=shape).astype(np.float32), dtype)
+
+
+_harness: dict = {}
+
+
+def harness(device: str, act: str):
+    key = (device, act)
+    if key not in _harness:
+        _harness[key] = _core.OpHarness(device, act)
+    return _harness[key]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return harness("cpu", "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# fill_random: bit-identical across backends
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 17), (257, 1000), (64, 4096)])
+@pytest.mark.parametrize("scale,offset", [(0.02, 0.0), (0.1, 1.0), (3.3, -0.7)])
+def test_fill_random_bit_identical(cpu, dtype, rows, cols, scale, offset):
+    g = harness(DEVICE, "float32")
+    a = np.asarray(cpu.fill_random(rows, cols, 1234, scale, offset, dtype))
+    b = np.asarray(g.fill_random(rows, cols, 1234, scale, offset, dtype))
+    assert a.shape == (rows, cols)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    # and it is the documented distribution
+    assert np.all(np.abs(a - offset) <= scale + (abs(offset) + scale) * 2.0 ** -7)  # bf16 rounding at most
+    if rows * cols > 1000:
+        assert abs(float(np.mean(a)) - offset) < 0.05 * scale + 1e-3
+
+
+def test_fill_random_seed_matters():
+    g = harness(DEVICE, "float32")
+    a = np.asarray(g.fill_random(4, 100, 1, 1.0, 0.0, "float32"))
+    b = np.asarray(g.fill_random(4, 100, 2, 1.0, 0.0, "float32"))
+    assert not np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# norms, rope, elementwise
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 257])
+@pytest.mark.parametrize("cols", [7, 64, 1000, 4096])
+@pytest.mark.parametrize("zc", [False, True])
+def test_rms_norm(cpu, act, rows, cols, zc):
+    rng = np.random.default_rng(rows * 1000 + cols + zc)
+    x = rand(rng, (rows, cols), -3, 3, act)
+    w = rand(rng, (1, cols), 0.5, 1.5, act)
+    ref = np.asarray(cpu.rms_norm(x, w, 1e-6, zc, "float32"))
+    out = np.asarray(harness(DEVICE, act).rms_norm(x, w, 1e-6, zc, act))
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 257])
+@pytest.mark.parametrize("cols", [7, 1000, 4096])
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
+def test_add_rms_norm(cpu, act, rows, cols, w_dtype):
+    rng = np.random.default_rng(rows * 7 + cols)
+    res = rand(rng, (rows, cols), -2, 2, act)
+    x = rand(rng, (rows, cols), -2, 2, act)
+    w = rand(rng, (1, cols), 0.5, 1.5, w_dtype)
+    r_ref, o_ref = (np.asarray(a) for a in cpu.add_rms_norm(res, x, w, 1e-6, False, w_dtype))
+    r_out, o_out = (np.asarray(a) for a in harness(DEVICE, act).add_rms_norm(res, x, w, 1e-6, False, w_dtype))
+    assert rel(r_out, r_ref) < TOL[act]
+    assert rel(o_out, o_ref) < TOL[act]
+    # the residual really is residual + x
+    assert rel(r_out, res + x) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("zc", [False, True])
+def test_head_rms_norm(cpu, act, head_dim, rows, zc):
+    rng = np.random.default_rng(head_dim + rows)
+    heads = 3
+    x = rand(rng, (rows, heads * head_dim), -3, 3, act)
+    w = rand(rng, (1, head_dim), 0.5, 1.5, act)
+    ref = np.asarray(cpu.head_rms_norm(x, head_dim, w, 1e-6, zc, "float32"))
+    out = np.asarray(harness(DEVICE, act).head_rms_norm(x, head_dim, w, 1e-6, zc, act))
+    assert rel(out, ref) < TOL[act]
+    # every head is normalized on its own
+    xr = x.reshape(rows, heads, head_dim).astype(np.float64)
+    scale = (1.0 + w[0]) if zc else w[0]
+    manual = xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + 1e-6) * scale
+    assert rel(out, manual.reshape(rows, -1)) < TOL[act] + 1e-5
+
+
+def rope_table(positions: int, rot_dim: int, theta: float = 1e6) -> np.ndarray:
+    inv = theta ** (-np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    f = np.arange(positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.concatenate([np.cos(f), np.sin(f)], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (256, 64), (128, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 257])
+def test_rope(cpu, act, head_dim, rot_dim, rows):
+    rng = np.random.default_rng(head_dim * rows + rot_dim)
+    heads = 4
+    x = rand(rng, (rows, heads * head_dim), -2, 2, act)
+    table = rope_table(4096, rot_dim)
+    pos = rng.integers(0, 4096, size=rows).astype(np.int32)
+    ref = np.asarray(cpu.rope(x, head_dim, pos, table))
+    out = np.asarray(harness(DEVICE, act).rope(x, head_dim, pos, table))
+    assert rel(out, ref) < TOL[act]
+    # dims past rot_dim pass through unchanged
+    xr = out.reshape(rows, heads, head_dim)
+    assert np.array_equal(xr[:, :, rot_dim:], x.reshape(rows, heads, head_dim)[:, :, rot_dim:])
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 257])
+@pytest.mark.parametrize("inter", [5, 64, 1000, 3072])
+def test_silu_mul(cpu, act, rows, inter):
+    rng = np.random.default_rng(rows + inter)
+    gu = rand(rng, (rows, 2 * inter), -6, 6, act)
+    ref = np.asarray(cpu.silu_mul(gu))
+    out = np.asarray(harness(DEVICE, act).silu_mul(gu))
+    assert out.shape == (rows, inter)
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 17), (257, 1000), (17, 4096)])
+def test_add(cpu, act, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    x = rand(rng, (rows, cols), -2, 2, act)
+    y = rand(rng, (rows, cols), -2, 2, act)
+    ref = np.asarray(cpu.add(x, y))
+    out = np.asarray(harness(DEVICE, act).add(x, y))
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("n,hidden", [(1, 64), (3, 17), (257, 1000)])
+def test_embedding(cpu, act, w_dtype, n, hidden):
+    rng = np.random.default_rng(n + hidden)
+    vocab = 300
+    table = rand(rng, (vocab, hidden), -1, 1, w_dtype)
+    ids = rng.integers(0, vocab, size=n).astype(np.int32)
+    ids[0] = vocab - 1
+    ref = np.asarray(cpu.embedding(ids, table, w_dtype))
+    out = np.asarray(harness(DEVICE, act).embedding(ids, table, w_dtype))
+    assert np.array_equal(ref, table[ids])
+    if act == "float32":
+        assert np.array_equal(out, ref)  # every table dtype converts exactly to fp32
+    else:
+        assert rel(out, ref) < TOL[act]
+        assert np.array_equal(out, round_to(ref, act))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows,cols,n", [(1, 8, 1), (17, 1000, 5), (257, 4096, 64), (33, 7, 33)])
+def test_gather_rows(cpu, act, rows, cols, n):
+    rng = np.random.default_rng(rows + cols + n)
+    x = rand(rng, (rows, cols), -1, 1, act)
+    idx = rng.integers(0, rows, size=n).astype(np.int32)
+    out = np.asarray(harness(DEVICE, act).gather_rows(x, idx))
+    assert np.array_equal(out, x[idx])  # a copy: exact in every dtype
+    assert np.array_equal(np.asarray(cpu.gather_rows(x, idx)), x[idx])
+
+
+# ---------------------------------------------------------------------------------------------
+# linear (cuBLASLt)
+# ---------------------------------------------------------------------------------------------
+LINEAR_SHAPES = [(1, 5, 8), (3, 64, 64), (17, 1000, 333), (257, 64, 1024), (1, 4096, 1024), (64, 1000, 4096)]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_same_dtype(cpu, act, m, n, k, bias):
+    rng = np.random.default_rng(m * 131 + n * 7 + k + bias)
+    x = rand(rng, (m, k), -1, 1, act)
+    w = rand(rng, (n, k), -1, 1, act) / math.sqrt(k)
+    w = round_to(w, act)
+    b = rand(rng, (1, n), -1, 1, act) if bias else None
+    ref = np.asarray(cpu.linear(x, w, b, "float32"))
+    out = np.asarray(harness(DEVICE, act).linear(x, w, b, act))
+    assert out.shape == (m, n)
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("w_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_f32_act_16bit_weights(cpu, w_dtype, m, n, k, bias):
+    rng = np.random.default_rng(m + n + k)
+    x = rand(rng, (m, k), -1, 1, "float32")
+    w = rand(rng, (n, k), -1, 1, w_dtype)
+    b = rand(rng, (1, n), -1, 1, w_dtype) if bias else None
+    ref = np.asarray(cpu.linear(x, w, b, w_dtype))
+    out = np.asarray(harness(DEVICE, "float32").linear(x, w, b, w_dtype))
+    assert rel(out, ref) < 1e-5  # fp32 math on exactly the same weight values
+
+
+def test_linear_fp32_is_not_tf32(cpu):
+    # 1 + 2^-12 (+ tiny) rounds to 1.0 in TF32 (10 mantissa bits): a TF32 GEMM would be off by ~5e-4.
+    rng = np.random.default_rng(5)
+    x = (1.0 + 2.0 ** -12 + rng.integers(0, 64, size=(8, 512)) * 2.0 ** -22).astype(np.float32)
+    w = (1.0 + 2.0 ** -12 + rng.integers(0, 64, size=(16, 512)) * 2.0 ** -22).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    out = np.asarray(harness(DEVICE, "float32").linear(x, w, None, "float32"))
+    assert rel(out, ref) < 1e-5
+    assert rel(np.asarray(cpu.linear(x, w, None, "float32")), ref) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# attention (write_kv + paged attention)
+# ---------------------------------------------------------------------------------------------
+def make_attn_case(rng, q_lens, ctx_lens, page_size, kv_heads, head_dim, act, spare_pages=3):
+    """A ragged batch over a shuffled page pool; returns the harness arguments (numpy)."""
+    S = len(q_lens)
+    pages_per = [(c + page_size - 1) // page_size for c in ctx_lens]
+    max_pages = max(pages_per)
+    total_pages = sum(pages_per) + spare_pages
+    perm = rng.permutation(total_pages).astype(np.int32)
+    page_table = np.zeros((S, max_pages), dtype=np.int32)
+    q_start = np.zeros(S + 1, dtype=np.int32)
+    kv_rows = []
+    used = 0
+    for s in range(S):
+        page_table[s, : pages_per[s]] = perm[used : used + pages_per[s]]
+        used += pages_per[s]
+        q_start[s + 1] = q_start[s] + q_lens[s]
+        for i in range(q_lens[s]):
+            pos = ctx_lens[s] - q_lens[s] + i
+            kv_rows.append(page_table[s, pos // page_size] * page_size + pos % page_size)
+    T = int(q_start[-1])
+    slots = total_pages * page_size
+    kvc = kv_heads * head_dim
+    k_cache = rand(rng, (slots, kvc), -1, 1, act)
+    v_cache = rand(rng, (slots, kvc), -1, 1, act)
+    k = rand(rng, (T, kvc), -1, 1, act)
+    v = rand(rng, (T, kvc), -1, 1, act)
+    return dict(
+        k=k, v=v, k_cache=k_cache, v_cache=v_cache, q_start=q_start, ctx_len=np.asarray(ctx_lens, dtype=np.int32),
+        page_table=page_table, kv_rows=np.asarray(kv_rows, dtype=np.int32), T=T,
+    )
+
+
+def run_attention(cpu, act, q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size, seed=0, qscale=2.0):
+    rng = np.random.default_rng(seed)
+    c = make_attn_case(rng, q_lens, ctx_lens, page_size, kv_heads, head_dim, act)
+    q = rand(rng, (c["T"], q_heads * head_dim), -qscale, qscale, act)
+    scale = 1.0 / math.sqrt(head_dim)
+    args = (q, c["k"], c["v"], c["k_cache"], c["v_cache"], c["q_start"], c["ctx_len"], c["page_table"],
+            c["kv_rows"], page_size, q_heads, kv_heads, head_dim, scale)
+    ref, kref, vref = (np.asarray(a) for a in cpu.attention(*args))
+    out, kout, vout = (np.asarray(a) for a in harness(DEVICE, act).attention(*args))
+    assert np.array_equal(kout, kref) and np.array_equal(vout, vref), "write_kv differs"
+    tol = 1e-5 if act == "float32" else TOL[act]
+    err = rel(out, ref)
+    assert err < tol, f"attention rel err {err:.3g}"
+    return c, q, out
+
+
+DECODE_CASES = [
+    # q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size
+    ([1], [1], 4, 4, 64, 16),
+    ([1, 1, 1], [17, 100, 3000], 32, 8, 128, 16),  # Qwen3-8B heads, GQA 4
+    ([1, 1], [33, 700], 8, 1, 128, 64),  # GQA 8
+    ([1], [5000], 24, 4, 256, 16),  # Qwen3.8 attention, GQA 6
+    ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8),  # GQA 2, page edges
+    ([1] * 17, list(range(3, 3 + 17 * 61, 61)), 16, 16, 128, 16),  # GQA 1, many sequences
+    ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16 (two head groups per block)
+]
+
+PREFILL_CASES = [
+    ([37], [37], 8, 8, 64, 16),
+    ([100], [100], 32, 8, 128, 16),
+    ([257], [257], 12, 2, 64, 128),
+    ([1000], [3000], 8, 8, 128, 16),  # chunked prefill over 2000 cached tokens
+    ([129], [129], 24, 4, 256, 16),
+    ([64, 3], [114, 3], 16, 4, 128, 64),
+]
+
+MIXED_CASES = [
+    ([1, 50, 1, 7], [300, 80, 1, 7], 8, 2, 128, 16),
+    ([129, 1], [1000, 2000], 24, 4, 256, 16),
+    ([300, 20], [2048, 20], 32, 4, 128, 32),
+    ([17, 1, 5], [17, 40, 60], 64, 8, 128, 16),
+    ([3, 1, 2], [35, 17, 18], 4, 1, 64, 16),  # GQA 4, contexts spanning partial pages
+]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"decode-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
+def test_attention_decode(cpu, act, case):
+    run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"prefill-{c[0]}-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
+def test_attention_prefill(cpu, act, case):
+    run_attention(cpu, act, *case, seed=case[0][0])
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: f"mixed-{c[0]}-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
+def test_attention_mixed(cpu, act, case):
+    run_attention(cpu, act, *case, seed=sum(case[0]))
+
+
+def test_attention_is_causal_and_uses_the_cache(cpu):
+    # Changing a cached key after a query's position must not change that query's output;
+    # changing one before it must.
+    act = "float32"
+    rng = np.random.default_rng(3)
+    q_lens, ctx = [8], [40]
+    c = make_attn_case(rng, q_lens, ctx, 16, 2, 64, act)
+    q = rand(rng, (8, 4 * 64), -2, 2, act)
+    g = harness(DEVICE, act)
+    base = (q, c["k"], c["v"], c["k_cache"], c["v_cache"], c["q_start"], c["ctx_len"], c["page_table"],
+            c["kv_rows"], 16, 4, 2, 64, 0.125)
+    out0 = np.asarray(g.attention(*base)[0])
+    k2 = c["k"].copy()
+    k2[7] += 1.0  # the last new token: seen only by the last query row
+    out1 = np.asarray(g.attention(q, k2, *base[2:])[0])
+    assert np.array_equal(out0[:7], out1[:7])
+    assert not np.allclose(out0[7], out1[7])
+    kc2 = c["k_cache"].copy()
+    row = c["page_table"][0, 0] * 16 + 3  # cached position 3
+    kc2[row] += 1.0
+    out2 = np.asarray(g.attention(q, c["k"], c["v"], kc2, *base[4:])[0])
+    assert np.all(np.abs(out2 - out0).max(axis=1) > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------------
+def row(**kw):
+    r = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, seed=0, draw=0, num_logprobs=0, seen_tokens=[], output_tokens=[],
+             output_counts=[], banned_tokens=[])
+    r.update(kw)
+    return r
+
+
+def log_softmax64(x):
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("vocab", [151936, 248320])
+def test_greedy_equals_argmax(cpu, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0, 3, size=(64, vocab)).astype(np.float32)
+    logits[5, 1000] = logits[5, 2000] = logits[5].max() + 1  # a tie: the lower id wins
+    rows = [row(temperature=0.0, seed=i) for i in range(64)]
+    res = harness(DEVICE, "float32").sample(logits, rows)
+    tokens = np.asarray(res["tokens"])
+    assert np.array_equal(tokens, np.argmax(logits, axis=1))
+    assert tokens[5] == 1000
+    lp = log_softmax64(logits)
+    assert np.allclose(np.asarray(res["logprobs"]), lp[np.arange(64), tokens], atol=1e-4)
+
+
+def sampling_rows(n, vocab, rng):
+    rows = []
+    for i in range(n):
+        kind = i % 10
+        seen = rng.choice(vocab, size=20, replace=False).astype(int).tolist()
+        out = seen[:6]
+        counts = rng.integers(1, 5, size=6).astype(int).tolist()
+        base = dict(seed=int(1000 + i), draw=int(i * 3))
+        rows.append([
+            row(temperature=0.0, **base),
+            row(temperature=1.0, **base),
+            row(temperature=0.7, top_p=0.9, **base),
+            row(temperature=1.3, top_k=5, **base),
+            row(temperature=0.8, top_k=40, top_p=0.5, min_p=0.05, **base),
+            row(temperature=0.0, repetition_penalty=1.3, seen_tokens=seen, banned_tokens=seen[10:13], **base),
+            row(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, output_tokens=out,
+                output_counts=counts, num_logprobs=5, **base),
+            row(temperature=1.0, top_k=1, num_logprobs=3, **base),
+            row(temperature=0.5, min_p=0.2, top_p=0.99, **base),
+            row(temperature=1.1, repetition_penalty=0.8, seen_tokens=seen, top_p=0.7, num_logprobs=20, **base),
+        ][kind])
+    return rows
+
+
+@pytest.mark.parametrize("vocab,n", [(10, 10), (1000, 30), (151936, 64)])
+def test_sample_matches_cpu(cpu, vocab, n):
+    rng = np.random.default_rng(vocab + n)
+    logits = rng.normal(0, 2, size=(n, vocab)).astype(np.float32)
+    rows = sampling_rows(n, vocab, rng) if vocab >= 20 else [
+        row(temperature=[0.0, 1.0, 0.7][i % 3], top_p=[1.0, 0.9, 0.6][i % 3], seed=i, draw=i, num_logprobs=3)
+        for i in range(n)
+    ]
+    a = cpu.sample(logits, rows)
+    b = harness(DEVICE, "float32").sample(logits, rows)
+    assert list(b["tokens"]) == list(a["tokens"])
+    assert np.allclose(np.asarray(b["logprobs"]), np.asarray(a["logprobs"]), atol=1e-4)
+    assert np.array_equal(np.asarray(b["top_ids"]), np.asarray(a["top_ids"]))
+    ta, tb = np.asarray(a["top_logprobs"], dtype=np.float64), np.asarray(b["top_logprobs"], dtype=np.float64)
+    assert np.array_equal(np.isinf(ta), np.isinf(tb))
+    fin = np.isfinite(ta)
+    assert np.allclose(tb[fin], ta[fin], atol=1e-4)
+
+
+def test_sample_ties_bf16_logits(cpu):
+    # bf16-valued logits have many exact ties, at the top_k and top_p cut points too.
+    rng = np.random.default_rng(11)
+    vocab, n = 5000, 40
+    logits = round_to(rng.normal(0, 1.5, size=(n, vocab)).astype(np.float32), "bfloat16")
+    logits = np.round(logits * 4) / 4  # coarser still: ties everywhere
+    rows = [row(temperature=[0.9, 1.0, 0.6, 1.2][i % 4], top_k=[0, 50, 7, 0][i % 4], top_p=[0.8, 0.95, 1.0, 0.3][i % 4],
+                seed=i, draw=2 * i) for i in range(n)]
+    a = cpu.sample(logits.astype(np.float32), rows)
+    b = harness(DEVICE, "float32").sample(logits.astype(np.float32), rows)
+    assert list(b["tokens"]) == list(a["tokens"])
+
+
+def test_top_k1_equals_greedy():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 2, size=(16, 151936)).astype(np.float32)
+    g = harness(DEVICE, "float32")
+    greedy = g.sample(logits, [row(temperature=0.0) for _ in range(16)])
+    topk1 = g.sample(logits, [row(temperature=0.8, top_k=1, seed=i, draw=i) for i in range(16)])
+    assert list(topk1["tokens"]) == list(greedy["tokens"])
+
+
+def test_sample_depends_only_on_seed_and_draw():
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 1, size=(8, 1000)).astype(np.float32)
+    g = harness(DEVICE, "float32")
+    rows = [row(temperature=1.0, seed=42, draw=7) for _ in range(8)]
+    same = np.repeat(logits[:1], 8, axis=0)
+    toks = list(g.sample(same, rows)["tokens"])
+    assert len(set(toks)) == 1  # the same (seed, draw, logits) gives the same token in every row
+    alone = list(g.sample(same[:1], rows[:1])["tokens"])
+    assert alone[0] == toks[0]
+    # different draws give a spread of tokens on a flat distribution
+    flat = np.zeros((64, 1000), dtype=np.float32)
+    spread = g.sample(flat, [row(temperature=1.0, seed=42, draw=d) for d in range(64)])["tokens"]
+    assert len(set(spread)) > 40
+
+
+def test_banned_and_penalties(cpu):
+    vocab = 151936
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 1, size=(4, vocab)).astype(np.float32)
+    top = int(np.argmax(logits[0]))
+    rows = [
+        row(temperature=0.0, banned_tokens=[top]),
+        row(temperature=0.0, repetition_penalty=10.0, seen_tokens=[int(np.argmax(logits[1]))]),
+        row(temperature=0.0, presence_penalty=100.0, output_tokens=[int(np.argmax(logits[2]))], output_counts=[1]),
+        row(temperature=0.0, frequency_penalty=-100.0, output_tokens=[17], output_counts=[2]),
+    ]
+    b = harness(DEVICE, "float32").sample(logits, rows)
+    a = cpu.sample(logits, rows)
+    assert list(b["tokens"]) == list(a["tokens"])
+    toks = list(b["tokens"])
+    assert toks[0] != top and toks[1] != int(np.argmax(logits[1])) and toks[2] != int(np.argmax(logits[2]))
+    assert toks[3] == 17
