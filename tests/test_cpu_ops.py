@@ -186,7 +186,9 @@ def test_linear(h, w_dtype, bias):
                 # Bias exactly representable in every w_dtype: whether the op rounds it or not.
                 b = rounded(rnd(rng, m), "bfloat16").astype(np.float32) if bias else None
                 out = h.linear(x, w, b, w_dtype)
-                ref = f64(x) @ rounded(w, w_dtype).T
+                # Contract (ops.h): with bf16 weights the products are of bf16 values (x rounded too).
+                xs = rounded(x, "bfloat16") if w_dtype == "bfloat16" else f64(x)
+                ref = xs @ rounded(w, w_dtype).T
                 if bias:
                     ref = ref + f64(b)
                 close(out, ref, atol=2e-5 * math.sqrt(k) / 8 + 1e-6)

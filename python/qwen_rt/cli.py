@@ -211,7 +211,18 @@ def _cmd_info(args) -> int:
                 v = getattr(core, attr)
                 built = bool(v() if callable(v) else v)
                 break
-        rows.append({"item": "built with CUDA", "value": "unknown" if built is None else ("yes" if built else "no")})
+        plugin_err = None
+        if built is None and callable(getattr(core, "cuda_plugin_error", None)):
+            # The CUDA backend is a plugin (_cuda_backend.so) loaded at run time: "" when it loads.
+            try:
+                plugin_err = str(core.cuda_plugin_error())
+                built = not plugin_err
+            except Exception as e:
+                plugin_err = f"{type(e).__name__}: {e}"
+        value = "unknown" if built is None else ("yes" if built else "no")
+        if plugin_err:
+            value += f" ({plugin_err})"
+        rows.append({"item": "CUDA backend", "value": value})
         try:
             n = int(core.cuda_device_count())
             rows.append({"item": "CUDA devices", "value": n})

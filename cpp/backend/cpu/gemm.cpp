@@ -1,4 +1,6 @@
 // Cache-blocked GEMM for y = x @ w^T with weights kept in their stored dtype.
+// bf16 weights on CPUs with AVX512-BF16 take bf16 x bf16 products with fp32 accumulation (x rounded to
+// bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
 // then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance).
 #include <omp.h>
@@ -89,17 +91,37 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
 
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, float (*res)[NR]) {
-  switch (nr) {
-    case 4: tile<WT, mr, 4>(x, ldx, w, ldw, K, res); break;
-    case 3: tile<WT, mr, 3>(x, ldx, w, ldw, K, res); break;
-    case 2: tile<WT, mr, 2>(x, ldx, w, ldw, K, res); break;
-    default: tile<WT, mr, 1>(x, ldx, w, ldw, K, res); break;
+  if constexpr (mr > 4) {  // 8 x 2 at most: 16 accumulators
+    if (nr >= 2) tile<WT, mr, 2>(x, ldx, w, ldw, K, res);
+    else tile<WT, mr, 1>(x, ldx, w, ldw, K, res);
+  } else {
+    switch (nr) {
+      case 4: tile<WT, mr, 4>(x, ldx, w, ldw, K, res); break;
+      case 3: tile<WT, mr, 3>(x, ldx, w, ldw, K, res); break;
+      case 2: tile<WT, mr, 2>(x, ldx, w, ldw, K, res); break;
+      default: tile<WT, mr, 1>(x, ldx, w, ldw, K, res); break;
+    }
   }
+}
+
+// Exact conversion of one weight row to fp32.
+template <DType WT>
+void widen_row(const char* w, int64_t K, float* dst) {
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    const v16f v = load_w<WT>(w, k);
+    std::memcpy(dst + k, &v, 64);
+  }
+  for (int64_t k = kv; k < K; ++k) dst[k] = load_w1<WT>(w, k);
 }
 
 template <DType WT>
 void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, float (*res)[NR]) {
   switch (mr) {
+    case 8: tile_n<WT, 8>(nr, x, ldx, w, ldw, K, res); break;
+    case 7: tile_n<WT, 7>(nr, x, ldx, w, ldw, K, res); break;
+    case 6: tile_n<WT, 6>(nr, x, ldx, w, ldw, K, res); break;
+    case 5: tile_n<WT, 5>(nr, x, ldx, w, ldw, K, res); break;
     case 4: tile_n<WT, 4>(nr, x, ldx, w, ldw, K, res); break;
     case 3: tile_n<WT, 3>(nr, x, ldx, w, ldw, K, res); break;
     case 2: tile_n<WT, 2>(nr, x, ldx, w, ldw, K, res); break;
@@ -112,11 +134,14 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   const int64_t esz = int64_t(dtype_size(WT));
   const int64_t ldw = w.stride * esz;
-  // A block of NB weight rows stays in cache while every row of x passes over it. With more rows of x
-  // than one tile, a 16-bit block is widened to fp32 once (exactly) instead of once per tile.
+  // A block of NB weight rows stays in cache while every row of x passes over it.
+  // Tiles: up to 4 x 4 for few rows (decode), 8 x 2 for 5..15 rows (each weight load serves 8 rows),
+  // and for prefill (16+ rows) a 16-bit block is widened to fp32 once (exactly) and then 4 x 4 tiles.
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
-  const bool widen = WT != DType::F32 && M > MR;
+  const bool widen = WT != DType::F32 && M >= 16;
+  const int64_t tm = (M > 4 && M < 16) ? 8 : MR;
+  const int64_t tn = tm > 4 ? 2 : NR;
   const float* xp = x.ptr<float>();
   float* op = out.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
@@ -128,13 +153,12 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
     for (int64_t nb = 0; nb < nblocks; ++nb) {
       const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
       if (widen)
-        for (int64_t j = n_begin; j < nend; ++j)
-          convert_host(wp + j * ldw, WT, wide.data() + (j - n_begin) * K, DType::F32, size_t(K));
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int mr = int(std::min<int64_t>(MR, M - m0));
-        for (int64_t n0 = n_begin; n0 < nend; n0 += NR) {
-          const int nr = int(std::min<int64_t>(NR, nend - n0));
-          float res[MR][NR];
+        for (int64_t j = n_begin; j < nend; ++j) widen_row<WT>(wp + j * ldw, K, wide.data() + (j - n_begin) * K);
+      for (int64_t m0 = 0; m0 < M; m0 += tm) {
+        const int mr = int(std::min<int64_t>(tm, M - m0));
+        for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
+          const int nr = int(std::min<int64_t>(tn, nend - n0));
+          float res[8][NR];
           const float* xr = xp + m0 * x.stride;
           if (widen)
             run_tile<DType::F32>(mr, nr, xr, x.stride, reinterpret_cast<const char*>(wide.data() + (n0 - n_begin) * K),
@@ -153,6 +177,91 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
+// multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
+template <int mr, int nr>
+void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t kv = K / 32 * 32;
+  auto step = [&](int64_t k, auto load) {
+    __m512i wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = load(w + j * ldw + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512i xv = load(x + i * ldx + k);
+      for (int j = 0; j < nr; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv[j]));
+    }
+  };
+  for (int64_t k = 0; k < kv; k += 32)
+    step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  if (kv < K) {
+    const __mmask32 m = __mmask32((1u << (K - kv)) - 1);
+    step(kv, [m](const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); });
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) res[i][j] = lane_sum(reinterpret_cast<v16f>(acc[i][j]));
+}
+
+template <int mr>
+void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+  if constexpr (mr > 4) {
+    if (nr >= 2) tile_dp<mr, 2>(x, ldx, w, ldw, K, res);
+    else tile_dp<mr, 1>(x, ldx, w, ldw, K, res);
+  } else {
+    switch (nr) {
+      case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
+      case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
+      case 2: tile_dp<mr, 2>(x, ldx, w, ldw, K, res); break;
+      default: tile_dp<mr, 1>(x, ldx, w, ldw, K, res); break;
+    }
+  }
+}
+
+void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
+  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  std::vector<uint16_t> xb(size_t(M * K));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k) xb[r * K + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
+  const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
+  const int64_t tm = M > 4 ? 8 : MR, tn = tm > 4 ? 2 : NR;
+  const uint16_t* wp = w.ptr<uint16_t>();
+  float* op = out.ptr<float>();
+  const bool par = M * N * K > (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+  for (int64_t nb = 0; nb < nblocks; ++nb) {
+    const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
+    for (int64_t m0 = 0; m0 < M; m0 += tm) {
+      const int mr = int(std::min<int64_t>(tm, M - m0));
+      for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
+        const int nr = int(std::min<int64_t>(tn, nend - n0));
+        float res[8][NR];
+        const uint16_t* xr = xb.data() + m0 * K;
+        const uint16_t* wr = wp + n0 * w.stride;
+        switch (mr) {
+          case 8: tile_dp_n<8>(nr, xr, K, wr, w.stride, K, res); break;
+          case 7: tile_dp_n<7>(nr, xr, K, wr, w.stride, K, res); break;
+          case 6: tile_dp_n<6>(nr, xr, K, wr, w.stride, K, res); break;
+          case 5: tile_dp_n<5>(nr, xr, K, wr, w.stride, K, res); break;
+          case 4: tile_dp_n<4>(nr, xr, K, wr, w.stride, K, res); break;
+          case 3: tile_dp_n<3>(nr, xr, K, wr, w.stride, K, res); break;
+          case 2: tile_dp_n<2>(nr, xr, K, wr, w.stride, K, res); break;
+          default: tile_dp_n<1>(nr, xr, K, wr, w.stride, K, res); break;
+        }
+        for (int i = 0; i < mr; ++i)
+          for (int j = 0; j < nr; ++j) {
+            float v = res[i][j];
+            if (bias) v += load_f32(*bias, 0, n0 + j);
+            op[(m0 + i) * out.stride + n0 + j] = v;
+          }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
@@ -162,7 +271,20 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int
             out.rows, ",", out.cols, "]");
   switch (w.dtype) {
     case DType::F32: gemm_t<DType::F32>(x, w, bias, out, threads); break;
-    case DType::BF16: gemm_t<DType::BF16>(x, w, bias, out, threads); break;
+    case DType::BF16:
+#if defined(__AVX512BF16__)
+      gemm_bf16_dp(x, w, bias, out, threads);
+#else
+      {  // same products as the dot-product path: x rounded to bf16
+        std::vector<float> xr(size_t(x.rows * x.cols));
+        for (int64_t r = 0; r < x.rows; ++r)
+          for (int64_t k = 0; k < x.cols; ++k)
+            xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
+        Tensor xt(xr.data(), DType::F32, x.rows, x.cols);
+        gemm_t<DType::BF16>(xt, w, bias, out, threads);
+      }
+#endif
+      break;
     case DType::F16: gemm_t<DType::F16>(x, w, bias, out, threads); break;
     default: QRT_CHECK(false, "cpu linear: weight dtype ", dtype_name(w.dtype), " not supported");
   }

@@ -18,9 +18,9 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
   float mx = -INFINITY;
   for (int64_t i = 0; i < V; ++i) mx = std::max(mx, raw[i]);
   double se = 0.0;
-  for (int64_t i = 0; i < V; ++i) se += std::exp(double(raw[i] - mx));
+  for (int64_t i = 0; i < V; ++i) se += double(std::exp(raw[i] - mx));
   const float lse = mx + float(std::log(se));
-  if (max_n > 0) {
+  if (max_n > 0 && p.num_logprobs > 0) {
     const int n = std::min<int64_t>(p.num_logprobs, V);
     std::vector<int32_t> idx(V);
     std::iota(idx.begin(), idx.end(), 0);

@@ -17,7 +17,7 @@ namespace qrt::cuda {
 namespace {
 
 constexpr int kRowThreads = 128;
-constexpr int kGMax = 8;       // query heads per rows-kernel block
+constexpr int kGMax = 8;       // most query heads per rows-kernel block (GM = 4 or 8)
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -50,23 +50,24 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
   f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
-template <typename T2, typename T>
-__device__ __forceinline__ void load8_16(const T* p, float (&f)[8]) {
+__device__ __forceinline__ void load8(const __half* p, float (&f)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    T2 h;
-    memcpy(&h, &w[i], 4);
-    float2 v;
-    if constexpr (std::is_same<T, __half>::value) v = __half22float2(h);
-    else v = __bfloat1622float2(h);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
+    f[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+    f[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
   }
 }
-__device__ __forceinline__ void load8(const __half* p, float (&f)[8]) { load8_16<__half2>(p, f); }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) { load8_16<__nv_bfloat162>(p, f); }
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
 
 // ================================================================================================
 // Rows kernel
@@ -76,13 +77,13 @@ template <typename T> struct RowCfg {
   static constexpr int kPad = 16 / int(sizeof(T));         // elements of row padding (16 bytes)
 };
 
-template <typename T, int D>
+template <typename T, int D, int GM>
 constexpr size_t rows_smem_bytes() {
   constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
-  return size_t(kGMax) * D * 4                 // q (fp32, pre-scaled)
+  return size_t(GM) * D * 4                    // q (fp32, pre-scaled)
          + size_t(2) * 2 * TILE * LD * sizeof(T)  // K and V, two stages
-         + size_t(TILE) * kGMax * 4             // probabilities [t][g]
-         + 3 * kGMax * 4;                       // m, l, alpha
+         + size_t(TILE) * GM * 4                // probabilities [t][g]
+         + 3 * GM * 4;                          // m, l, alpha
 }
 
 struct RowsArgs {
@@ -101,26 +102,26 @@ struct RowsArgs {
   int nsplit, num_tokens;
 };
 
-template <typename T, int D>
+template <typename T, int D, int GM>
 __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a) {
   constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
   constexpr int CPR = D * int(sizeof(T)) / 16;  // 16-byte chunks per K/V row
   constexpr int EPC = 16 / int(sizeof(T));      // elements per chunk
   constexpr int NPH = 2 * kRowThreads / D;      // token phases of the PV step (each thread: 2 dims)
-  static_assert(NPH >= 1 && (TILE * kGMax) % kRowThreads == 0, "shape");
+  static_assert(NPH >= 1 && GM % 4 == 0, "shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* qs = reinterpret_cast<float*>(smem_raw);                          // [kGMax][D]
-  T* kvs = reinterpret_cast<T*>(qs + kGMax * D);                           // [2 stages][K,V][TILE][LD]
-  float* ps = reinterpret_cast<float*>(kvs + 2 * 2 * TILE * LD);           // [TILE][kGMax]
-  float* m_s = ps + TILE * kGMax;
-  float* l_s = m_s + kGMax;
-  float* al_s = l_s + kGMax;
+  float* qs = reinterpret_cast<float*>(smem_raw);                          // [GM][D]
+  T* kvs = reinterpret_cast<T*>(qs + GM * D);                           // [2 stages][K,V][TILE][LD]
+  float* ps = reinterpret_cast<float*>(kvs + 2 * 2 * TILE * LD);           // [TILE][GM]
+  float* m_s = ps + TILE * GM;
+  float* l_s = m_s + GM;
+  float* al_s = l_s + GM;
 
   const int tid = threadIdx.x;
   const int split = blockIdx.x;
-  const int kvh = blockIdx.y / a.gsubs, g0 = (blockIdx.y % a.gsubs) * kGMax;
-  const int ng = min(kGMax, a.group - g0);
+  const int kvh = blockIdx.y / a.gsubs, g0 = (blockIdx.y % a.gsubs) * GM;
+  const int ng = min(GM, a.group - g0);
   const int row = blockIdx.z;
   const int s = find_seq(a.q_start, a.num_seqs, row);
   const int q_len = a.q_start[s + 1] - a.q_start[s];
@@ -167,17 +168,17 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
   issue(k_begin, 0);
   {
     const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
-    for (int i = tid; i < kGMax * D; i += kRowThreads) qs[i] = i < ng * D ? to_f(qr[i]) * a.scale_log2 : 0.f;
-    if (tid < kGMax) {
+    for (int i = tid; i < GM * D; i += kRowThreads) qs[i] = i < ng * D ? to_f(qr[i]) * a.scale_log2 : 0.f;
+    if (tid < GM) {
       m_s[tid] = -INFINITY;
       l_s[tid] = 0.f;
     }
   }
 
   const int pi = tid % (D / 2), ph = tid / (D / 2);
-  float acc[kGMax][2];
+  float acc[GM][2];
 #pragma unroll
-  for (int g = 0; g < kGMax; ++g) acc[g][0] = acc[g][1] = 0.f;
+  for (int g = 0; g < GM; ++g) acc[g][0] = acc[g][1] = 0.f;
 
   const int warp = tid >> 5, lane = tid & 31;
   const int ntiles = (k_end - k_begin + TILE - 1) / TILE;
@@ -194,11 +195,9 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     const T* vs = ks + TILE * LD;
 
     // Scores (log2 domain) for (t, g) pairs.
-#pragma unroll
-    for (int i = 0; i < TILE * kGMax / kRowThreads; ++i) {
-      const int p = tid + i * kRowThreads;
+    for (int p = tid; p < TILE * ng; p += kRowThreads) {
       const int t = p % TILE, g = p / TILE;
-      if (g < ng) {
+      {
         float sc = -INFINITY;
         if (k0 + t < k_end) {
           const float* qg = qs + g * D;
@@ -221,21 +220,21 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
           }
           sc = d0 + d1;
         }
-        ps[t * kGMax + g] = sc;
+        ps[t * GM + g] = sc;
       }
     }
     __syncthreads();
 
     // Online softmax: warp w owns heads w and w + 4.
     for (int g = warp; g < ng; g += kRowThreads / 32) {
-      const float v = lane < TILE ? ps[lane * kGMax + g] : -INFINITY;
+      const float v = lane < TILE ? ps[lane * GM + g] : -INFINITY;
       float mx = v;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float m_old = m_s[g];
       const float m_new = fmaxf(m_old, mx);
       const float p = v == -INFINITY ? 0.f : exp2f(v - m_new);
-      if (lane < TILE) ps[lane * kGMax + g] = p;
+      if (lane < TILE) ps[lane * GM + g] = p;
       float sum = p;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -249,22 +248,28 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     __syncthreads();
 
     // acc = acc * alpha + P V.
-    float al[kGMax];
+    float al[GM];
 #pragma unroll
-    for (int g = 0; g < kGMax; ++g) al[g] = g < ng ? al_s[g] : 0.f;
+    for (int g = 0; g < GM; ++g) al[g] = g < ng ? al_s[g] : 0.f;
 #pragma unroll
-    for (int g = 0; g < kGMax; ++g) {
+    for (int g = 0; g < GM; ++g) {
       acc[g][0] *= al[g];
       acc[g][1] *= al[g];
     }
     const int tn = min(TILE, k_end - k0);
     for (int t = ph; t < tn; t += NPH) {
       const float2 v = load2(vs + t * LD + 2 * pi);
-      const float4 pa = *reinterpret_cast<const float4*>(ps + t * kGMax);
-      const float4 pb = *reinterpret_cast<const float4*>(ps + t * kGMax + 4);
-      const float pr[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+      float pr[GM];
 #pragma unroll
-      for (int g = 0; g < kGMax; ++g) {
+      for (int g4 = 0; g4 < GM; g4 += 4) {
+        const float4 pa = *reinterpret_cast<const float4*>(ps + t * GM + g4);
+        pr[g4] = pa.x;
+        pr[g4 + 1] = pa.y;
+        pr[g4 + 2] = pa.z;
+        pr[g4 + 3] = pa.w;
+      }
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
         acc[g][0] = fmaf(pr[g], v.x, acc[g][0]);
         acc[g][1] = fmaf(pr[g], v.y, acc[g][1]);
       }
@@ -274,25 +279,25 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
 
   // Sum the token phases, normalize, store.
   if constexpr (NPH > 1) {
-    float* red = reinterpret_cast<float*>(kvs);  // [NPH][kGMax][D] fits in the K/V stages
+    float* red = reinterpret_cast<float*>(kvs);  // [NPH][GM][D] fits in the K/V stages
 #pragma unroll
-    for (int g = 0; g < kGMax; ++g) {
-      red[(ph * kGMax + g) * D + 2 * pi] = acc[g][0];
-      red[(ph * kGMax + g) * D + 2 * pi + 1] = acc[g][1];
+    for (int g = 0; g < GM; ++g) {
+      red[(ph * GM + g) * D + 2 * pi] = acc[g][0];
+      red[(ph * GM + g) * D + 2 * pi + 1] = acc[g][1];
     }
     __syncthreads();
     for (int i = tid; i < ng * D; i += kRowThreads) {
       const int g = i / D, d = i - g * D;
       float v = 0.f;
 #pragma unroll
-      for (int p = 0; p < NPH; ++p) v += red[(p * kGMax + g) * D + d];
+      for (int p = 0; p < NPH; ++p) v += red[(p * GM + g) * D + d];
       const float o = v / l_s[g];
       if (a.nsplit == 1) static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + g) * D + d] = from_f<T>(o);
       else a.part[((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d] = o;
     }
   } else {  // each thread owns dims 2 pi, 2 pi + 1 of every head
 #pragma unroll
-    for (int g = 0; g < kGMax; ++g) {
+    for (int g = 0; g < GM; ++g) {
       if (g < ng) {
         const float inv = 1.f / l_s[g];
         const int d = 2 * pi;
@@ -341,7 +346,8 @@ __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_hea
 // Tile kernel (tensor cores)
 // ================================================================================================
 template <int D> struct TileCfg {
-  static constexpr int BM = 64;                   // (token, head) rows per block: 4 warps x 16
+  static constexpr int BM = 128;                  // (token, head) rows per block: 8 warps x 16
+  static constexpr int kThreads = BM * 2;
   static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile
   static constexpr int LD = D + 8;                // smem row pitch in elements (16-byte pad)
   static constexpr size_t smem = size_t(BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
@@ -401,7 +407,7 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(128) attn_tile_kernel(const TileArgs a) {
+__global__ void __launch_bounds__(TileCfg<D>::kThreads) attn_tile_kernel(const TileArgs a) {
   constexpr int BM = TileCfg<D>::BM, BN = TileCfg<D>::BN, LD = TileCfg<D>::LD;
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int NT = BN / 8;  // n-tiles of S
@@ -431,7 +437,7 @@ __global__ void __launch_bounds__(128) attn_tile_kernel(const TileArgs a) {
   const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
 
   // Q rows: r -> (token t0 + r / G, head kvh * G + r % G).
-  for (int c = tid; c < BM * CPR; c += 128) {
+  for (int c = tid; c < BM * CPR; c += TileCfg<D>::kThreads) {
     const int r = c / CPR, part = c - r * CPR;
     const bool ok = r < rows_valid;
     const T* src = static_cast<const T*>(a.q);
@@ -441,7 +447,7 @@ __global__ void __launch_bounds__(128) attn_tile_kernel(const TileArgs a) {
   auto issue = [&](int j, int stage) {
     T* ks = KVs + stage * 2 * BN * LD;
     T* vs = ks + BN * LD;
-    for (int c = tid; c < BN * CPR; c += 128) {
+    for (int c = tid; c < BN * CPR; c += TileCfg<D>::kThreads) {
       const int t = c / CPR, part = c - t * CPR;
       const int key = j * BN + t;
       const bool ok = key < n_keys;
@@ -637,11 +643,18 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   a.part = ws.partial;
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
-  constexpr size_t smem = rows_smem_bytes<T, D>();
-  check(cudaFuncSetAttribute(attn_rows_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-        "attention (smem attribute)");
   dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
-  attn_rows_kernel<T, D><<<grid, kRowThreads, smem, st>>>(a);
+  if (group <= 4) {
+    constexpr size_t smem = rows_smem_bytes<T, D, 4>();
+    check(cudaFuncSetAttribute(attn_rows_kernel<T, D, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "attention (smem attribute)");
+    attn_rows_kernel<T, D, 4><<<grid, kRowThreads, smem, st>>>(a);
+  } else {
+    constexpr size_t smem = rows_smem_bytes<T, D, kGMax>();
+    check(cudaFuncSetAttribute(attn_rows_kernel<T, D, kGMax>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "attention (smem attribute)");
+    attn_rows_kernel<T, D, kGMax><<<grid, kRowThreads, smem, st>>>(a);
+  }
   check_launch("attention (rows)");
   if (nsplit > 1) {
     attn_combine_kernel<T><<<unsigned(b.num_tokens * sh.q_heads), D, 0, st>>>(
@@ -675,7 +688,7 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
         "attention (smem attribute)");
   const int tiles = (std::max(b.max_q_len, 1) + a.tokens_per_tile - 1) / a.tokens_per_tile;
   dim3 grid(unsigned(tiles), unsigned(sh.kv_heads), unsigned(b.num_seqs));
-  attn_tile_kernel<T, D><<<grid, 128, smem, st>>>(a);
+  attn_tile_kernel<T, D><<<grid, TileCfg<D>::kThreads, smem, st>>>(a);
   check_launch("attention (tile)");
 }
 
@@ -686,7 +699,7 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   const int es = int(sizeof(T));
   const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
                         uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
-  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM && aligned;
+  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM / 2 && aligned;
   if (tile) {
     if constexpr (sizeof(T) == 2) {
       switch (sh.head_dim) {

@@ -22,5 +22,5 @@ for p in ${pids[@]}; do wait $p; done
 CUBLASLT=$(ls $NV/cu13/lib/libcublasLt.so* $NV/cublas/lib/libcublasLt.so* /usr/local/cuda/lib64/libcublasLt.so* 2>/dev/null | head -1)
 NCCL=$(ls $NV/nccl/lib/libnccl.so* /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | head -1)
 echo "cublasLt: $CUBLASLT nccl: $NCCL"
-nvcc -o $OUT/check $OUT/*.o $LIBS -Xlinker -rpath,$(dirname $CUBLASLT) -Xlinker -rpath,$(dirname $NCCL) $CUBLASLT $NCCL -Xcompiler -fopenmp
+nvcc -o $OUT/check $OUT/*.o $LIBS -L$(dirname $CUBLASLT) -L$(dirname $NCCL) -Xlinker -rpath,$(dirname $CUBLASLT) -Xlinker -rpath,$(dirname $NCCL) -l:$(basename $CUBLASLT) -l:$(basename $NCCL) -Xcompiler -fopenmp
 echo built $OUT/check

@@ -6,6 +6,8 @@
 #include <numeric>
 #include <random>
 #include <vector>
+#include <string>
+#include <tuple>
 
 #include "backend/cuda/plugin.h"
 #include "backend/ops.h"
@@ -42,7 +44,7 @@ Tensor put(Backend& be, DType t, const std::vector<float>& v, int64_t rows, int6
 }
 std::vector<float> get(Backend& be, const Tensor& t) {
   std::vector<char> bytes(size_t(t.rows * t.stride) * dtype_size(t.dtype));
-  be.download(bytes.data(), t.data, bytes.size());
+  be.download(bytes.data(), t.data, size_t((t.rows - 1) * t.stride + t.cols) * dtype_size(t.dtype));
   std::vector<float> full(size_t(t.rows * t.stride)), out(size_t(t.rows * t.cols));
   convert_host(bytes.data(), t.dtype, full.data(), DType::F32, full.size());
   for (int64_t r = 0; r < t.rows; ++r) for (int64_t c = 0; c < t.cols; ++c) out[r * t.cols + c] = full[r * t.stride + c];
@@ -378,7 +380,104 @@ void test_sample(Env& e) {
   }
 }
 
+
+#include <chrono>
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+void bench_attn(Backend& g, DType t, std::vector<int> q_lens, std::vector<int> ctx, int qh, int kvh, int hd, int ps, const char* label) {
+  const int S = int(q_lens.size());
+  int T = 0, max_q = 0, max_ctx = 0, max_pages = 0, total_pages = 0;
+  for (int s = 0; s < S; ++s) { T += q_lens[s]; max_q = std::max(max_q, q_lens[s]); max_ctx = std::max(max_ctx, ctx[s]); int np = (ctx[s] + ps - 1) / ps; max_pages = std::max(max_pages, np); total_pages += np; }
+  std::vector<int> perm(total_pages); std::iota(perm.begin(), perm.end(), 0); std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> pt(size_t(S) * max_pages, 0), q_start(S + 1, 0), kv_rows;
+  int pi = 0;
+  for (int s = 0; s < S; ++s) {
+    for (int p = 0; p < (ctx[s] + ps - 1) / ps; ++p) pt[size_t(s) * max_pages + p] = perm[pi++];
+    q_start[s + 1] = q_start[s] + q_lens[s];
+  }
+  const int kvc = kvh * hd, qc = qh * hd;
+  const int64_t slots = int64_t(total_pages) * ps;
+  const size_t es = dtype_size(t);
+  void* kc = g.alloc(slots * kvc * es); void* vc = g.alloc(slots * kvc * es);
+  Tensor kt(kc, t, slots, kvc), vt(vc, t, slots, kvc);
+  g.fill_random(kt, 1, 1.f, 0.f); g.fill_random(vt, 2, 1.f, 0.f);
+  void* q = g.alloc(size_t(T) * qc * es); void* o = g.alloc(size_t(T) * qc * es);
+  Tensor qt(q, t, T, qc), ot(o, t, T, qc);
+  g.fill_random(qt, 3, 1.f, 0.f);
+  void* d_qs = put_i(g, q_start); void* d_ctx = put_i(g, ctx); void* d_pt = put_i(g, pt);
+  AttnBatch b{S, T, (int32_t*)d_qs, (int32_t*)d_ctx, (int32_t*)d_pt, nullptr, max_pages, ps, max_q, max_ctx};
+  KvLayer l{kc, vc, t};
+  AttnShape sh{qh, kvh, hd, 1.0f / std::sqrt(float(hd))};
+  for (int i = 0; i < 3; ++i) g.attention(qt, l, b, sh, ot);
+  g.synchronize();
+  int iters = 20;
+  double t0 = now();
+  for (int i = 0; i < iters; ++i) g.attention(qt, l, b, sh, ot);
+  g.synchronize();
+  double dt = (now() - t0) / iters;
+  double kv_bytes = 0, flops = 0;
+  for (int s = 0; s < S; ++s) {
+    kv_bytes += 2.0 * ctx[s] * kvc * es;
+    for (int i = 0; i < q_lens[s]; ++i) flops += 4.0 * (ctx[s] - q_lens[s] + i + 1) * hd * qh;
+  }
+  std::printf("bench %-28s %s: %.3f ms  KV %.1f GB/s  %.1f TFLOP/s\n", label, dtype_name(t), dt * 1e3, kv_bytes / dt / 1e9, flops / dt / 1e12);
+  for (void* p : {kc, vc, q, o, d_qs, d_ctx, d_pt}) g.release(p);
+}
+
+void bench(Backend& g) {
+  DType t = g.act_dtype();
+  bench_attn(g, t, {1}, {32768}, 32, 8, 128, 16, "decode b1 ctx32k 8B");
+  bench_attn(g, t, {1}, {8192}, 32, 8, 128, 16, "decode b1 ctx8k 8B");
+  bench_attn(g, t, std::vector<int>(64, 1), std::vector<int>(64, 2048), 32, 8, 128, 16, "decode b64 ctx2k 8B");
+  bench_attn(g, t, std::vector<int>(16, 1), std::vector<int>(16, 8192), 24, 4, 256, 16, "decode b16 ctx8k d256");
+  bench_attn(g, t, {8192}, {8192}, 32, 8, 128, 16, "prefill 8k 8B");
+  bench_attn(g, t, {2048}, {2048}, 32, 8, 128, 16, "prefill 2k 8B");
+  bench_attn(g, t, {4096}, {4096}, 24, 4, 256, 16, "prefill 4k d256");
+  bench_attn(g, t, {512}, {16384}, 32, 8, 128, 16, "chunk 512 over 16k");
+  // linear
+  for (auto [M, N, K] : std::vector<std::tuple<int,int,int>>{{1, 4096, 4096}, {64, 12288, 4096}, {8192, 4096, 4096}, {8192, 24576, 4096}}) {
+    size_t es = dtype_size(t);
+    void* x = g.alloc(size_t(M) * K * es); void* w = g.alloc(size_t(N) * K * es); void* o = g.alloc(size_t(M) * N * es);
+    Tensor xt(x, t, M, K), wt(w, t, N, K), ot(o, t, M, N);
+    g.fill_random(xt, 1, 1, 0); g.fill_random(wt, 2, 0.02f, 0);
+    Linear lw{wt, {}};
+    for (int i = 0; i < 3; ++i) g.linear(xt, lw, nullptr, ot);
+    g.synchronize();
+    double t0 = now();
+    for (int i = 0; i < 20; ++i) g.linear(xt, lw, nullptr, ot);
+    g.synchronize();
+    double dt = (now() - t0) / 20;
+    std::printf("bench linear %dx%dx%d %s: %.3f ms %.1f TFLOP/s %.0f GB/s(w)\n", M, N, K, dtype_name(t), dt * 1e3, 2.0 * M * N * K / dt / 1e12, double(N) * K * es / dt / 1e9);
+    for (void* p : {x, w, o}) g.release(p);
+  }
+  // sampling
+  if (t == DType::BF16) {
+    for (int V : {151936, 248320}) {
+      int R = 64;
+      void* l = g.alloc(size_t(R) * V * 4);
+      Tensor lt(l, DType::F32, R, V);
+      g.fill_random(lt, 5, 5.f, 0.f);
+      for (int mode = 0; mode < 3; ++mode) {
+        std::vector<SampleRow> rows(R);
+        for (int r = 0; r < R; ++r) { rows[r].temperature = mode == 0 ? 0.f : 0.8f; rows[r].top_p = mode == 2 ? 0.9f : 1.f; rows[r].top_k = mode == 2 ? 50 : 0; rows[r].seed = r; }
+        SampleResult res;
+        g.sample(lt, rows, res);
+        double t0 = now();
+        for (int i = 0; i < 10; ++i) g.sample(lt, rows, res);
+        double dt = (now() - t0) / 10;
+        std::printf("bench sample V=%d R=%d %s: %.3f ms\n", V, R, mode == 0 ? "greedy" : mode == 1 ? "temp" : "top_k50+top_p0.9", dt * 1e3);
+      }
+      g.release(l);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "bench") {
+    char err[256];
+    for (DType t : {DType::BF16, DType::F32}) { Backend* g = qrt_cuda_make_backend(0, int(t), err, sizeof err); bench(*g); delete g; }
+    return 0;
+  }
   auto cpu = make_cpu_backend(0);
   std::printf("devices: %d\n", qrt_cuda_device_count());
   char err[256];
