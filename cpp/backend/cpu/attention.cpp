@@ -45,29 +45,32 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   std::vector<int> row_seq(b.num_tokens);
   for (int si = 0; si < b.num_seqs; ++si)
     for (int r = b.q_start[si]; r < b.q_start[si + 1]; ++r) row_seq[r] = si;
-  const int64_t tasks = int64_t(b.num_tokens) * Hkv;
-  const bool par = tasks > 1 && int64_t(b.max_ctx_len) * tasks * group > 4096;
+  // A task is a query row and a run of KV heads: whole rows when there are enough of them (each
+  // cache row is then read once, contiguously), single KV heads otherwise.
+  const int heads_per_task = b.num_tokens >= 2 * threads ? Hkv : 1;
+  const int tasks_per_row = Hkv / heads_per_task;
+  const int64_t tasks = int64_t(b.num_tokens) * tasks_per_row;
+  const bool par = tasks > 1 && int64_t(b.max_ctx_len) * b.num_tokens * s.q_heads > 4096;
 #pragma omp parallel num_threads(threads) if (par)
   {
-    std::vector<float> scores(size_t(std::max(1, b.max_ctx_len)) * group);
-    std::vector<float> acc(size_t(D) * group);
-#pragma omp for schedule(dynamic, 2)
+    const int hq = heads_per_task * group;  // query heads of one task
+    std::vector<float> scores(size_t(std::max(1, b.max_ctx_len)) * hq);
+    std::vector<float> acc(size_t(D) * hq), inv(hq);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int r = int(t / Hkv), kh = int(t % Hkv);
+      const int r = int(t / tasks_per_row), kh0 = int(t % tasks_per_row) * heads_per_task;
       const int si = row_seq[r];
       const int q_len = b.q_start[si + 1] - b.q_start[si];
-      const int pos = b.ctx_len[si] - q_len + (r - b.q_start[si]);
-      const int n = pos + 1;
+      const int n = b.ctx_len[si] - q_len + (r - b.q_start[si]) + 1;  // positions [0, pos]
       const int32_t* pages = b.page_table + int64_t(si) * b.max_pages;
-      const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh) * group * D;
+      const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh0) * group * D;
       for (int p = 0; p < n; ++p) {
         const int64_t row = int64_t(pages[p / b.page_size]) * b.page_size + p % b.page_size;
-        const float* kr = kc + row * kv_cols + int64_t(kh) * D;
-        for (int g = 0; g < group; ++g) scores[size_t(g) * n + p] = dot(qr + g * D, kr, D) * s.scale;
+        const float* kr = kc + row * kv_cols + int64_t(kh0) * D;
+        for (int h = 0; h < hq; ++h) scores[size_t(h) * n + p] = dot(qr + h * D, kr + (h / group) * D, D) * s.scale;
       }
-      std::vector<float> inv(group);
-      for (int g = 0; g < group; ++g) {
-        float* sc = scores.data() + size_t(g) * n;
+      for (int h = 0; h < hq; ++h) {
+        float* sc = scores.data() + size_t(h) * n;
         float mx = -INFINITY;
         for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
         float sum = 0.f;
@@ -75,22 +78,22 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
           sc[p] = std::exp(sc[p] - mx);
           sum += sc[p];
         }
-        inv[g] = 1.f / sum;
+        inv[h] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int p = 0; p < n; ++p) {
         const int64_t row = int64_t(pages[p / b.page_size]) * b.page_size + p % b.page_size;
-        const float* vr = vc + row * kv_cols + int64_t(kh) * D;
-        for (int g = 0; g < group; ++g) {
-          const float w = scores[size_t(g) * n + p];
-          float* a = acc.data() + size_t(g) * D;
-          for (int i = 0; i < D; ++i) a[i] += w * vr[i];
+        const float* vr = vc + row * kv_cols + int64_t(kh0) * D;
+        for (int h = 0; h < hq; ++h) {
+          const float w = scores[size_t(h) * n + p];
+          float* __restrict__ a = acc.data() + size_t(h) * D;
+          const float* __restrict__ v = vr + (h / group) * D;
+          for (int i = 0; i < D; ++i) a[i] += w * v[i];
         }
       }
-      for (int g = 0; g < group; ++g) {
-        float* orow = out.ptr<float>() + int64_t(r) * out.stride + int64_t(kh * group + g) * D;
-        for (int i = 0; i < D; ++i) orow[i] = acc[size_t(g) * D + i] * inv[g];
-      }
+      float* orow = out.ptr<float>() + int64_t(r) * out.stride + int64_t(kh0) * group * D;
+      for (int h = 0; h < hq; ++h)
+        for (int i = 0; i < D; ++i) orow[h * D + i] = acc[size_t(h) * D + i] * inv[h];
     }
   }
 }

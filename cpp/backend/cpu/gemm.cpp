@@ -195,8 +195,10 @@ void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int
         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv[j]));
     }
   };
-  for (int64_t k = 0; k < kv; k += 32)
+  for (int64_t k = 0; k < kv; k += 32) {
+    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + 4096, _MM_HINT_T0);
     step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  }
   if (kv < K) {
     const __mmask32 m = __mmask32((1u << (K - kv)) - 1);
     step(kv, [m](const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); });
