@@ -61,7 +61,7 @@ add_library(_cuda_backend MODULE ${QRT_CUDA_SOURCES} cpp/core/dtype.cpp)
 set_target_properties(_cuda_backend PROPERTIES PREFIX "" CUDA_SEPARABLE_COMPILATION OFF)
 target_include_directories(_cuda_backend PRIVATE cpp ${QRT_CUBLASLT_INCLUDE} ${QRT_NCCL_INCLUDE})
 target_compile_options(_cuda_backend PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:-O3 --use_fast_math=false -Xcompiler=-fvisibility=hidden --expt-relaxed-constexpr>
+  $<$<COMPILE_LANGUAGE:CUDA>:-O3 -Xcompiler=-fvisibility=hidden --expt-relaxed-constexpr>
   $<$<COMPILE_LANGUAGE:CXX>:-O2 -fvisibility=hidden>)
 target_link_libraries(_cuda_backend PRIVATE CUDA::cudart_static ${QRT_CUBLASLT_LIB} ${QRT_NCCL_LIB})
 # Find cuBLASLt and NCCL where they were found at build time (pip folders have no standard path).

@@ -106,12 +106,15 @@ class Backend {
   // Free and total memory of the device, for sizing the KV pool.
   virtual void memory_info(size_t* free_bytes, size_t* total_bytes) = 0;
 
-  // Fills t with deterministic pseudo-random values: uniform in [-scale, scale] (+ offset).
-  virtual void fill_random(Tensor& t, uint64_t seed, float scale, float offset) = 0;
+  // Fills t with deterministic pseudo-random values: element (r, c) of t is
+  // fma(scale, fma(2, uniform01(seed, row0 + r, col0 + c), -1), offset), so a shard of a matrix gets
+  // exactly the values of the whole matrix at its place.
+  virtual void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) = 0;
   // Converts src into dst (same shape, any float dtypes).
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
 
-  // out[i] = table[ids[i]] converted to out's dtype. ids: n rows.
+  // out[i] = table[ids[i]] converted to out's dtype; ids outside [0, table.rows) give zero rows
+  // (a vocab-parallel shard looks up shifted ids and the ranks' rows are summed).
   virtual void embedding(const int32_t* ids, const Tensor& table, Tensor& out) = 0;
   // out = rmsnorm(x) * (zero_centred ? 1 + w : w).
   virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zero_centred, Tensor& out) = 0;

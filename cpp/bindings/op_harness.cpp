@@ -189,7 +189,7 @@ void bind_op_harness(nb::module_& m) {
       .def("fill_random",
            [](OpHarness& h, int64_t rows, int64_t cols, uint64_t seed, float scale, float offset, const std::string& dt) {
              Dev o = h.empty(rows, cols, parse_dtype(dt));
-             h.be().fill_random(o.t, seed, scale, offset);
+             h.be().fill_random(o.t, seed, scale, offset, 0, 0);
              return h.down(o.t);
            })
       .def("sample", [](OpHarness& h, F32In logits, nb::list rows) {

@@ -78,8 +78,10 @@ class ThreadComm final : public Comm {
     const size_t bytes = send.nbytes();
     g_->ptrs()[rank_] = send.data;
     g_->barrier();
-    for (int r = 0; r < g_->size(); ++r)
-      std::memcpy(static_cast<char*>(recv.data) + r * bytes, g_->ptrs()[r], bytes);
+    for (int r = 0; r < g_->size(); ++r) {  // send may already be this rank's block of recv (in place)
+      char* dst = static_cast<char*>(recv.data) + r * bytes;
+      if (dst != g_->ptrs()[r]) std::memcpy(dst, g_->ptrs()[r], bytes);
+    }
     g_->barrier();
   }
 

@@ -41,6 +41,9 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
   }
   inter_ = cfg_.intermediate_size / n;
   inter0_ = r * inter_;
+  vocab_pad_ = (cfg_.vocab_size + n - 1) / n;
+  vocab0_ = r * vocab_pad_;
+  vocab_rows_ = std::max(0, std::min(vocab_pad_, cfg_.vocab_size - vocab0_));
   load_weights(progress);
   build_rope_table();
 
@@ -58,7 +61,9 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
   sel_res_ = alloc_tensor(act, S, H);
   sel_x_ = alloc_tensor(act, S, H);
   sel_h_ = alloc_tensor(act, S, H);
-  logits_ = alloc_tensor(DType::F32, S, cfg_.vocab_size);
+  // Logits: this rank's shard [S, vocab_pad_]; with several ranks, gathered then laid out as [S, n * vocab_pad_].
+  logits_ = alloc_tensor(DType::F32, S, int64_t(n) * vocab_pad_);
+  if (n > 1) logits_gathered_ = alloc_tensor(DType::F32, int64_t(n) * S, vocab_pad_);
 }
 
 Tensor QwenModel::alloc_tensor(DType t, int64_t rows, int64_t cols) {
@@ -73,7 +78,7 @@ void QwenModel::load(const std::string& name, int64_t rows, int64_t cols, int64_
   if (ws_.files) {
     ws_.files->read(be_, name, rows, cols, r0, c0, dst);
   } else {
-    be_.fill_random(dst, hash3(ws_.dummy_seed, dummy_counter_++, 0), dummy_scale, dummy_offset);
+    be_.fill_random(dst, hash3(ws_.dummy_seed, dummy_counter_++, 0), dummy_scale, dummy_offset, r0, c0);
   }
 }
 
@@ -85,8 +90,10 @@ void QwenModel::load_weights(const Progress& progress) {
   const float ws = 0.02f * std::sqrt(3.0f);  // uniform with std 0.02, like transformers' init
   const float norm_one = 1.0f;
 
-  embed_ = alloc_tensor(wt, V, H);
-  load(pre + "embed_tokens.weight", V, H, 0, 0, embed_, ws, 0.f);
+  // Vocab-parallel: this rank holds rows [vocab0_, vocab0_ + vocab_rows_) of the embedding (and LM head).
+  embed_ = alloc_tensor(wt, vocab_pad_, H);
+  be_.fill_zero(embed_.data, embed_.nbytes());
+  if (vocab_rows_ > 0) load(pre + "embed_tokens.weight", V, H, vocab0_, 0, embed_.row_slice(0, vocab_rows_), ws, 0.f);
   layers_.resize(cfg_.num_layers);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     if (progress) progress("loading weights", l, cfg_.num_layers);
@@ -128,8 +135,9 @@ void QwenModel::load_weights(const Progress& progress) {
   if (cfg_.tie_embeddings) {
     lm_head_.w = embed_;
   } else {
-    lm_head_.w = alloc_tensor(wt, V, H);
-    load("lm_head.weight", V, H, 0, 0, lm_head_.w, ws, 0.f);
+    lm_head_.w = alloc_tensor(wt, vocab_pad_, H);
+    be_.fill_zero(lm_head_.w.data, lm_head_.w.nbytes());
+    if (vocab_rows_ > 0) load("lm_head.weight", V, H, vocab0_, 0, lm_head_.w.row_slice(0, vocab_rows_), ws, 0.f);
   }
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();
@@ -172,6 +180,8 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int 
   };
   const int scratch = kv.scratch_row();
   const size_t o_tok = put(s.tokens, rows, [](int) { return 0; });
+  if (vocab0_ != 0)  // this rank's embedding shard starts at vocab0_: other ids look up zero rows
+    for (int i = 0; i < rows; ++i) meta[o_tok + i] -= vocab0_;
   const size_t o_pos = put(s.positions, rows, [](int) { return 0; });
   const size_t o_kvr = put(s.kv_rows, rows, [&](int) { return scratch; });
   const size_t o_qs = put(s.q_start, SS + 1, [](int i) { return i; });
@@ -219,11 +229,16 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
       it = graphs_.emplace(bucket, be_.end_capture()).first;
     }
     be_.replay(it->second);
-    return logits_.row_slice(0, R);
+    return logits_view(R);
   }
   AttnBatch b = upload_meta(s, kv, T, s.max_pages, s.max_ctx_len);
   body(b, T, R, kv);
-  return logits_.row_slice(0, R);
+  return logits_view(R);
+}
+
+Tensor QwenModel::logits_view(int rows) const {
+  // Padded vocab columns of the last shard are left out of the view.
+  return Tensor(logits_.data, DType::F32, rows, cfg_.vocab_size, logits_.cols);
 }
 
 void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
@@ -236,6 +251,7 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
   Tensor q = qkv.col_slice(0, qn), k = qkv.col_slice(qn, kn), v = qkv.col_slice(qn + kn, kn);
 
   be_.embedding(d_tokens_, embed_, res);
+  if (comm_.size() > 1) comm_.all_reduce_sum(res);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const Layer& L = layers_[l];
     if (l == 0) be_.rms_norm(res, L.input_norm, eps, false, h);
@@ -261,11 +277,24 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
   // Only the rows that sample need the final norm and the LM head.
   if (R == 0) return;
   Tensor sr = sel_res_.row_slice(0, R), sx = sel_x_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
-  Tensor logits = logits_.row_slice(0, R);
   be_.gather_rows(res, d_logit_rows_, sr);
   be_.gather_rows(proj, d_logit_rows_, sx);
   be_.add_rms_norm(sr, sx, final_norm_, eps, false, sh);
-  be_.linear(sh, lm_head_, nullptr, logits);
+  const int n = comm_.size();
+  if (n == 1) {
+    Tensor logits = logits_.row_slice(0, R);
+    be_.linear(sh, lm_head_, nullptr, logits);
+    return;
+  }
+  // Vocab-parallel LM head: each rank's [R, vocab_pad_] shard, gathered, then placed side by side.
+  Tensor local = logits_gathered_.row_slice(int64_t(comm_.rank()) * R, R);
+  be_.linear(sh, lm_head_, nullptr, local);
+  Tensor gathered = logits_gathered_.row_slice(0, int64_t(n) * R);
+  comm_.all_gather_rows(local, gathered);
+  for (int r = 0; r < n; ++r) {
+    Tensor dst = logits_.row_slice(0, R).col_slice(int64_t(r) * vocab_pad_, vocab_pad_);
+    be_.convert(gathered.row_slice(int64_t(r) * R, R), dst);
+  }
 }
 
 }  // namespace qrt

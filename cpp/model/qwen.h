@@ -74,6 +74,7 @@ class QwenModel {
   Limits lim_;
   int q_heads_, kv_heads_, inter_;   // this rank's share
   int q_head0_, kv_head0_, inter0_;  // first head / column of this rank
+  int vocab0_, vocab_rows_, vocab_pad_;  // vocab-parallel shard: first row, rows held, rows per rank
   std::vector<Buffer> storage_;
   size_t weight_bytes_ = 0;
   uint64_t dummy_counter_ = 0;
@@ -89,6 +90,8 @@ class QwenModel {
   // Workspace.
   Tensor meta_;  // int32 metadata uploaded each step
   Tensor residual_, hidden_, qkv_, attn_, proj_, gate_up_, act_, sel_res_, sel_x_, sel_h_, logits_;
+  Tensor logits_gathered_;  // [ranks * max_seqs, vocab_pad_]: every rank's shard, rank-major
+  Tensor logits_view(int rows) const;
 };
 
 }  // namespace qrt

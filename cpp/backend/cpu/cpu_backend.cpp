@@ -85,11 +85,11 @@ class CpuBackend final : public Backend {
     *total_b = total;
   }
 
-  void fill_random(Tensor& t, uint64_t seed, float scale, float offset) override {
+  void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) override {
     std::vector<float> buf(t.cols);
     for (int64_t r = 0; r < t.rows; ++r) {
       for (int64_t c = 0; c < t.cols; ++c)
-        buf[c] = offset + scale * (2.0f * uniform01(seed, uint64_t(r), uint64_t(c)) - 1.0f);
+        buf[c] = std::fma(scale, std::fma(2.0f, uniform01(seed, uint64_t(row0 + r), uint64_t(col0 + c)), -1.0f), offset);
       store_row_f32(buf.data(), t, r);
     }
   }
@@ -105,8 +105,8 @@ class CpuBackend final : public Backend {
   void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override {
     check_f32(out, "embedding");
     for (int64_t i = 0; i < out.rows; ++i) {
-      QRT_CHECK(ids[i] >= 0 && ids[i] < table.rows, "embedding: token id ", ids[i], " out of range");
-      load_row_f32(table, ids[i], row(out, i));
+      if (ids[i] >= 0 && ids[i] < table.rows) load_row_f32(table, ids[i], row(out, i));
+      else std::memset(row(out, i), 0, size_t(out.cols) * 4);
     }
   }
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {

@@ -19,6 +19,8 @@ namespace {
 constexpr int kRowThreads = 128;
 constexpr int kGMax = 8;       // most query heads per rows-kernel block (GM = 4 or 8)
 constexpr int kMaxSplits = 64;
+// A 4-head variant of the rows kernel for GQA <= 4: compiles, not yet run on a GPU; off until it is.
+constexpr bool kRowsGM4 = false;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ int find_seq(const int32_t* q_start, int num_seqs, int row) {
@@ -346,7 +348,9 @@ __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_hea
 // Tile kernel (tensor cores)
 // ================================================================================================
 template <int D> struct TileCfg {
-  static constexpr int BM = 128;                  // (token, head) rows per block: 8 warps x 16
+  // (token, head) rows per block, 16 per warp. 128 (8 warps) compiles and should be faster for long
+  // prefill but has not been run on a GPU yet; 64 is the verified setting.
+  static constexpr int BM = 64;
   static constexpr int kThreads = BM * 2;
   static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile
   static constexpr int LD = D + 8;                // smem row pitch in elements (16-byte pad)
@@ -644,7 +648,7 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
   dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
-  if (group <= 4) {
+  if (kRowsGM4 && group <= 4) {  // heads 4..7 of the 8-wide variant would idle
     constexpr size_t smem = rows_smem_bytes<T, D, 4>();
     check(cudaFuncSetAttribute(attn_rows_kernel<T, D, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "attention (smem attribute)");

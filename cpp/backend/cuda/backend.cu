@@ -158,9 +158,9 @@ void CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
   check(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
 }
 
-void CudaBackend::fill_random(Tensor& t, uint64_t seed, float scale, float offset) {
+void CudaBackend::fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) {
   set_device();
-  launch_fill_random(t, seed, scale, offset, stream_);
+  launch_fill_random(t, seed, scale, offset, row0, col0, stream_);
 }
 
 void CudaBackend::convert(const Tensor& src, Tensor& dst) {
@@ -201,8 +201,8 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
             "cuda linear: FP8 weights are not supported by the CUDA backend yet");
   QRT_CHECK(x.dtype == DType::F32 || x.dtype == DType::F16 || x.dtype == DType::BF16,
             "cuda linear: unsupported activation dtype ", dtype_name(x.dtype));
-  QRT_CHECK(out.dtype == x.dtype, "cuda linear: out dtype ", dtype_name(out.dtype), " differs from x ",
-            dtype_name(x.dtype));
+  QRT_CHECK(out.dtype == x.dtype || out.dtype == DType::F32, "cuda linear: out dtype ", dtype_name(out.dtype),
+            " is neither x's (", dtype_name(x.dtype), ") nor float32");
   QRT_CHECK(x.cols == w.cols && out.cols == w.rows && out.rows == x.rows, "cuda linear: shapes x [", x.rows, ",",
             x.cols, "] w [", w.rows, ",", w.cols, "] out [", out.rows, ",", out.cols, "]");
   if (bias) QRT_CHECK(bias->cols >= w.rows, "cuda linear: bias has ", bias->cols, " columns for ", w.rows, " outputs");
@@ -213,7 +213,17 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
   const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
   if (w.dtype == t) {
     if (!gemm_.run(t, M, N, K, x.data, x.stride, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
-                   bias ? bias->dtype : t, stream_))
+                   bias ? bias->dtype : t, stream_, out.dtype))
+      launch_add_bias(out, *bias, stream_);
+    return;
+  }
+  if (t == DType::F32 && (w.dtype == DType::BF16 || w.dtype == DType::F16)) {
+    // The ops.h contract: 16-bit weights multiply 16-bit activations (x rounded), fp32 accumulation.
+    void* xb = scratch(x_conv_, size_t(M * K * 2), "linear activation conversion");
+    Tensor xs(xb, w.dtype, M, K);
+    launch_convert(x, xs, stream_);
+    if (!gemm_.run(w.dtype, M, N, K, xb, K, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
+                   bias ? bias->dtype : t, stream_, out.dtype))
       launch_add_bias(out, *bias, stream_);
     return;
   }
@@ -228,7 +238,8 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
     launch_convert(src, dst, stream_);
     Tensor o = out.col_slice(n0, nc);
     const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
-    if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_)) {
+    if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_,
+                   out.dtype)) {
       Tensor bs(const_cast<void*>(bp), bias->dtype, 1, nc);
       launch_add_bias(o, bs, stream_);
     }

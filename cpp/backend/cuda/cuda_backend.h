@@ -30,7 +30,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
-  void fill_random(Tensor& t, uint64_t seed, float scale, float offset) override;
+  void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) override;
   void convert(const Tensor& src, Tensor& dst) override;
   void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override;
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zero_centred, Tensor& out) override;
@@ -74,7 +74,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
   void* io_ = nullptr;  // pinned, for sampling parameters and results
   size_t io_bytes_ = 0;
-  Scratch w_conv_, attn_ws_, sample_in_, sample_x_, sample_out_;
+  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_x_, sample_out_;
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;

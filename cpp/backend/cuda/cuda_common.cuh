@@ -77,7 +77,8 @@ void dispatch_act(DType t, const char* op, F&& f) {
 }
 
 // ---- kernels' host launchers (all stream-ordered, no synchronization) ------------------------
-void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, cudaStream_t s);
+void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0,
+                        cudaStream_t s);
 void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s);
 void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s);
 void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w, float eps, bool zc,

@@ -49,7 +49,7 @@ void LtGemm::init(size_t workspace_bytes) {
 }
 
 LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
-                           int64_t ldo, int al_x, int al_w, int al_o, int bias_t) {
+                           int64_t ldo, int al_x, int al_w, int al_o, int bias_t, DType out_t) {
   auto it = plans_.find(k);
   if (it != plans_.end()) return it->second;
   Plan& p = plans_[k];
@@ -68,7 +68,7 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   // Column-major view: out^T [N, M] = (w [K, N])^T * x^T [K, M].
   lt_check(cublasLtMatrixLayoutCreate(&p.a, ct, uint64_t(K), uint64_t(N), ldw), "layout w");
   lt_check(cublasLtMatrixLayoutCreate(&p.b, ct, uint64_t(K), uint64_t(M), ldx), "layout x");
-  lt_check(cublasLtMatrixLayoutCreate(&p.c, ct, uint64_t(N), uint64_t(M), ldo), "layout out");
+  lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(N), uint64_t(M), ldo), "layout out");
   cublasLtMatmulPreference_t pref = nullptr;
   lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
   uint64_t ws = ws_bytes_;
@@ -89,18 +89,19 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
 }
 
 bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,
-                 void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s) {
+                 void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t) {
   if (M == 0 || N == 0) return true;
   const int64_t es = int64_t(dtype_size(t));
-  const int al_x = alignment(x, ldx * es), al_w = alignment(w, ldw * es), al_o = alignment(out, ldo * es);
+  const int al_x = alignment(x, ldx * es), al_w = alignment(w, ldw * es),
+            al_o = alignment(out, ldo * int64_t(dtype_size(out_t)));
   const bool want_bias = bias && reinterpret_cast<uintptr_t>(bias) % 16 == 0;
   const int bt = want_bias ? int(bias_t) : -1;
-  Key k{int(t), M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt, 0};
-  Plan* p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt);
+  Key k{int(t), M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt, int(out_t)};
+  Plan* p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt, out_t);
   bool bias_done = want_bias;
   if (!p->ok && want_bias) {
     std::get<10>(k) = -1;
-    p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, -1);
+    p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, -1, out_t);
     bias_done = false;
   }
   QRT_CHECK(p->ok, "cuda linear: cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K, " dtype ",

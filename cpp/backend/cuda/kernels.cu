@@ -15,11 +15,11 @@ unsigned threads_for(int64_t cols) {
 
 // ---- fill_random / convert --------------------------------------------------------------------
 __global__ void fill_random_kernel(void* p, DType t, int64_t cols, int64_t stride, uint64_t seed, float scale,
-                                   float offset) {
+                                   float offset, int64_t row0, int64_t col0) {
   const int64_t r = blockIdx.x;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float u = uniform01(seed, uint64_t(r), uint64_t(c));
-    // The CPU reference (gcc, -O3 -march=native) contracts this expression into two FMAs.
+    const float u = uniform01(seed, uint64_t(row0 + r), uint64_t(col0 + c));
+    // The same two FMAs as the CPU backend (ops.h).
     const float v = __fmaf_rn(scale, __fmaf_rn(2.0f, u, -1.0f), offset);
     store_any(p, t, r * stride + c, v);
   }
@@ -187,11 +187,12 @@ void check_act(const Tensor& t, const char* op) {
 
 }  // namespace
 
-void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, cudaStream_t s) {
+void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0,
+                        cudaStream_t s) {
   QRT_CHECK(is_float_dtype(t.dtype), "cuda fill_random: not a float tensor (", dtype_name(t.dtype), ")");
   if (t.rows == 0 || t.cols == 0) return;
   fill_random_kernel<<<unsigned(t.rows), threads_for(t.cols), 0, s>>>(t.data, t.dtype, t.cols, t.stride, seed, scale,
-                                                                        offset);
+                                                                        offset, row0, col0);
   check_launch("fill_random");
 }
 
