@@ -1,6 +1,8 @@
 """Benchmarks: `qwen-rt bench MODE ...` or `python -m qwen_rt.bench MODE ...`.
 
 Modes:
+  gpu   real Qwen shapes with random weights on a CUDA GPU: decode MBU, offline throughput, prefill MFU,
+        startup, side by side with transformers (see bench_gpu.py)
   cpu   a random ~100M-parameter Qwen3 model: HF transformers' generate (its best configuration) vs
         qwen_rt.Generator on the CPU, side by side in one run, greedy, fixed numbers of tokens.
 
@@ -340,7 +342,12 @@ def run_cpu(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------
 
-MODES = {"cpu": run_cpu}
+def run_gpu(args) -> int:
+    from qwen_rt import bench_gpu
+    return bench_gpu.run(args)
+
+
+MODES = {"cpu": run_cpu, "gpu": run_gpu}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -363,6 +370,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where the model is written (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("--json", default=None, metavar="PATH", help="append the JSON record to PATH")
+    from qwen_rt import bench_gpu
+    bench_gpu.add_parser(sub)
     return parser
 
 
@@ -373,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
+    if args.prompt_len < 1 or args.new_tokens < 1 or getattr(args, "repeats", 1) < 1:
         parser.error("--prompt-len, --new-tokens and --repeats must be >= 1")
     return MODES[args.mode](args)
 
