@@ -95,3 +95,13 @@ def test_bad_device_index(build):
     import qwen_rt
     with pytest.raises(ValueError, match="cuda"):
         qwen_rt.Generator(str(build("qwen3_gqa2_tied")), device="cuda:57", progress=False)
+
+
+def test_greedy_fp32_without_graphs(build):
+    """The same steps without CUDA graphs (every decode step launched op by op)."""
+    folder = build("qwen3_gqa2_tied")
+    prompts = M.pick_prompts(folder, seed=31, lengths=[1, 7, 40], max_new=12)
+    with cuda_gen(folder, cuda_graphs=False) as g:
+        outs = g.generate(prompts, max_tokens=12, **GREEDY)
+    for p, c in zip(prompts, outs):
+        assert not M.greedy_mismatch(folder, p, c.token_ids, 12)

@@ -225,7 +225,12 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
     auto it = graphs_.find(bucket);
     if (it == graphs_.end()) {
       be_.begin_capture();
-      body(b, bucket, bucket, kv);
+      try {
+        body(b, bucket, bucket, kv);
+      } catch (...) {
+        be_.end_capture();  // leave the stream usable; the step fails
+        throw;
+      }
       it = graphs_.emplace(bucket, be_.end_capture()).first;
     }
     be_.replay(it->second);

@@ -179,7 +179,7 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
     return rows
 
 
-def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, compile_: bool = False) -> list[dict]:
+def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, caches=("dynamic", "static")) -> list[dict]:
     """transformers on the same config (random weights), sdpa, dynamic and static cache."""
     torch = _torch()
     import transformers
@@ -193,7 +193,7 @@ def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, compile
     try:
         for b in batches:
             ids = torch.tensor(_prompts(rng, b, prompt_len, cfg.vocab_size), device="cuda")
-            for cache in ("dynamic", "static"):
+            for cache in caches:
                 kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                           pad_token_id=0, eos_token_id=None)
                 if cache == "static":
@@ -259,6 +259,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-model", default="qwen3-8b")
     p.add_argument("--prefill-lengths", default="1024,8192,32768")
     p.add_argument("--hf-model", default="qwen3-8b")
+    p.add_argument("--hf-caches", default="dynamic,static")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
@@ -281,7 +282,7 @@ def run(args) -> int:
             rec["decode"] += bench_decode(m, batches, args.prompt_len, args.new_tokens, limits, rng)
         print_table(rec["decode"])
     if "hf" in parts:
-        rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng)
+        rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng, args.hf_caches.split(","))
         print_table(rec["hf"])
     if "offline" in parts:
         rec["offline"] = bench_offline(args.offline_model, limits, rng, n_random=args.offline_random)

@@ -106,7 +106,7 @@ void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResu
   out.tokens.assign(R, 0);
   out.logprobs.assign(R, 0.f);
   out.top_ids.assign(R * max_n, -1);
-  out.top_logprobs.assign(R * max_n, 0.f);
+  out.top_logprobs.assign(R * max_n, -INFINITY);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (R > 1)
   for (int64_t r = 0; r < R; ++r)
     sample_row(logits.ptr<float>() + r * logits.stride, V, rows[r], max_n, &out.tokens[r], &out.logprobs[r],

@@ -217,8 +217,8 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
       launch_add_bias(out, *bias, stream_);
     return;
   }
-  if (t == DType::F32 && (w.dtype == DType::BF16 || w.dtype == DType::F16)) {
-    // The ops.h contract: 16-bit weights multiply 16-bit activations (x rounded), fp32 accumulation.
+  if (t == DType::F32 && w.dtype == DType::BF16) {
+    // The ops.h contract: bf16 weights multiply bf16 activations (x rounded), fp32 accumulation.
     void* xb = scratch(x_conv_, size_t(M * K * 2), "linear activation conversion");
     Tensor xs(xb, w.dtype, M, K);
     launch_convert(x, xs, stream_);
