@@ -153,6 +153,13 @@ CONFIGS: dict[str, dict] = {
     "qwen2_gqa4_untied": dict(arch="Qwen2ForCausalLM", num_attention_heads=8,
                               num_key_value_heads=2, num_hidden_layers=3,
                               tie_word_embeddings=False),
+    # Head sizes of real Qwen models (64 / 128), for the GPU kernels.
+    "qwen3_hd128_gqa2": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=128, num_hidden_layers=2, tie_word_embeddings=True),
+    "qwen3_hd64_gqa4": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=1,
+                            head_dim=64, num_hidden_layers=2, tie_word_embeddings=False),
+    "qwen2_hd64_bias": dict(arch="Qwen2ForCausalLM", num_attention_heads=2, num_key_value_heads=1,
+                            hidden_size=128, num_hidden_layers=2, tie_word_embeddings=True),
 }
 
 COMMON = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)

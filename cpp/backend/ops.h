@@ -95,6 +95,8 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;   // "cpu" or "cuda:N"
   virtual DType act_dtype() const = 0;    // dtype of activations and of the KV cache
+  // Attention head sizes the backend's kernels take.
+  virtual bool supports_head_dim(int head_dim) const { return head_dim > 0; }
 
   // Memory. alloc throws std::runtime_error naming the size when memory runs out.
   virtual void* alloc(size_t bytes) = 0;

@@ -24,6 +24,8 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
     : cfg_(cfg), be_(be), comm_(comm), ws_(ws), lim_(lim) {
   validate(cfg_);
   const int n = comm.size(), r = comm.rank();
+  QRT_CHECK_ARG(be.supports_head_dim(cfg_.head_dim), "head_dim ", cfg_.head_dim, " is not supported by the ",
+                be.name(), " backend (64, 128 or 256)");
   QRT_CHECK_ARG(cfg_.num_q_heads % n == 0, "tensor_parallel_size ", n, " does not divide the ", cfg_.num_q_heads,
                 " attention heads");
   QRT_CHECK_ARG(cfg_.intermediate_size % n == 0, "tensor_parallel_size ", n, " does not divide intermediate_size ",

@@ -30,6 +30,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
+  bool supports_head_dim(int d) const override { return d == 64 || d == 128 || d == 256; }
   void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) override;
   void convert(const Tensor& src, Tensor& dst) override;
   void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override;
