@@ -107,6 +107,17 @@ def test_greedy_fp32_without_graphs(build):
         assert not M.greedy_mismatch(folder, p, c.token_ids, 12)
 
 
+
+def test_tp1_through_nccl_unchanged(build):
+    """TP=1 with an NCCL communicator (the multi-GPU code path on one GPU) gives the same tokens."""
+    folder = build("qwen3_hd64_gqa4")
+    prompts = M.pick_prompts(folder, seed=12, lengths=[3, 30], max_new=8)
+    with cuda_gen(folder) as g:
+        ref = [c.token_ids for c in g.generate(prompts, max_tokens=8, **GREEDY)]
+    with cuda_gen(folder, comm="nccl") as g:
+        got = [c.token_ids for c in g.generate(prompts, max_tokens=8, **GREEDY)]
+    assert got == ref
+
 def test_unsupported_head_dim_is_a_clear_error(build):
     import qwen_rt
     with pytest.raises(ValueError, match="head_dim 24"):

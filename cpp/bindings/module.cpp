@@ -67,6 +67,7 @@ NB_MODULE(_core, m) {
       .def_rw("kv_cache_memory", &EngineOptions::kv_cache_memory)
       .def_rw("gpu_memory_utilization", &EngineOptions::gpu_memory_utilization)
       .def_rw("tensor_parallel_size", &EngineOptions::tensor_parallel_size)
+      .def_rw("comm", &EngineOptions::comm)
       .def_rw("dummy_weights", &EngineOptions::dummy_weights)
       .def_rw("seed", &EngineOptions::seed)
       .def_rw("num_threads", &EngineOptions::num_threads)

@@ -165,7 +165,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n));
   });
   // Communicators.
-  if (n == 1) {
+  QRT_CHECK_ARG(opt.comm == "auto" || (opt.comm == "nccl" && cuda), "comm must be 'auto', or 'nccl' on CUDA, got '",
+                opt.comm, "'");
+  if (n == 1 && opt.comm != "nccl") {
     ranks[0].comm = make_single_comm();
   } else if (!cuda) {
     auto group = make_thread_group(n, opt.comm_timeout_s);

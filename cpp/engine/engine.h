@@ -23,6 +23,7 @@ struct EngineOptions {
   int64_t kv_cache_memory = 0;     // bytes per rank; 0: from memory left
   double gpu_memory_utilization = 0.9;
   int tensor_parallel_size = 1;
+  std::string comm = "auto";       // "auto" (single rank, CPU threads or NCCL by device) or "nccl" (even for one rank)
   bool dummy_weights = false;
   uint64_t seed = 0;
   int num_threads = 0;             // CPU threads in all (0: every core)

@@ -87,8 +87,12 @@ def prefill_flops(cfg: dict, n: int) -> float:
     return 2 * n * c["matmul_params"] + 2 * c["L"] * c["hq"] * c["D"] * n * n + 2 * c["lm_head"]
 
 
+TP = 1  # --tensor-parallel-size
+
+
 def _gen(model, **kw):
     from qwen_rt import Generator
+    kw.setdefault("tensor_parallel_size", TP)
     return Generator(model, device="cuda", dtype="bfloat16", load_format=kw.pop("load_format", "dummy"),
                      progress=False, **kw)
 
@@ -112,8 +116,8 @@ def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: 
             tn = time.perf_counter() - t
             step = (tn - t1) / (new_tokens - 1)
             ctx = prompt_len + new_tokens / 2
-            mbu = step_bytes(cfg, b, ctx) / step / limits["copy_bw"]
-            rows.append({"model": model, "batch": b, "step_ms": round(step * 1e3, 3),
+            mbu = step_bytes(cfg, b, ctx) / TP / step / limits["copy_bw"]  # each GPU reads its share
+            rows.append({"model": model, "tp": TP, "batch": b, "step_ms": round(step * 1e3, 3),
                          "decode_tok_s": round(b / step, 1), "mbu": round(mbu, 3),
                          "e2e_tok_s": round(b * new_tokens / tn, 1)})
             log(rows[-1])
@@ -236,7 +240,7 @@ def bench_startup(model: str, rng) -> list[dict]:
         os.sync()
         from qwen_rt import Generator
         t = time.perf_counter()
-        g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096)
+        g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096, tensor_parallel_size=TP)
         t_init = time.perf_counter() - t
         g.generate([[1, 2, 3, 4]], max_tokens=1)
         t_first = time.perf_counter() - t
@@ -261,6 +265,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-model", default="qwen3-8b")
     p.add_argument("--hf-caches", default="dynamic,static")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
 
@@ -269,6 +274,8 @@ def run(args) -> int:
     import numpy as np
     from qwen_rt.cli import print_table
     rng = np.random.default_rng(args.seed)
+    global TP
+    TP = args.tensor_parallel_size
     parts = set(x.strip() for x in args.parts.split(","))
     limits = measure_limits()
     log(f"measured: copy {limits['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")

@@ -198,7 +198,7 @@ class Generator:
                  max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
-                 progress: bool = True):
+                 comm: str = "auto", progress: bool = True):
         self._engine = None
         for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
@@ -244,6 +244,9 @@ class Generator:
         opts.seed = seed
         opts.num_threads = num_threads
         opts.cuda_graphs = cuda_graphs
+        if comm not in ("auto", "nccl"):
+            raise ValueError(f"comm must be 'auto' or 'nccl', got {comm!r}")
+        opts.comm = comm
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]
