@@ -181,7 +181,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
 // bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
 // multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
 template <int mr, int nr>
-void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[8]) {
   __m512 acc[mr][nr];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -208,12 +208,24 @@ void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int
 }
 
 template <int mr>
-void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[8]) {
+  // At most 16 accumulators: 1-2 rows x 8, 3-4 rows x 4, 5-8 rows x 2 (more independent chains at batch 1).
   if constexpr (mr > 4) {
     if (nr >= 2) tile_dp<mr, 2>(x, ldx, w, ldw, K, res);
     else tile_dp<mr, 1>(x, ldx, w, ldw, K, res);
+  } else if constexpr (mr > 2) {
+    switch (nr) {
+      case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
+      case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
+      case 2: tile_dp<mr, 2>(x, ldx, w, ldw, K, res); break;
+      default: tile_dp<mr, 1>(x, ldx, w, ldw, K, res); break;
+    }
   } else {
     switch (nr) {
+      case 8: tile_dp<mr, 8>(x, ldx, w, ldw, K, res); break;
+      case 7: tile_dp<mr, 7>(x, ldx, w, ldw, K, res); break;
+      case 6: tile_dp<mr, 6>(x, ldx, w, ldw, K, res); break;
+      case 5: tile_dp<mr, 5>(x, ldx, w, ldw, K, res); break;
       case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
       case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
       case 2: tile_dp<mr, 2>(x, ldx, w, ldw, K, res); break;
@@ -225,10 +237,11 @@ void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
 void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   std::vector<uint16_t> xb(size_t(M * K));
+#pragma omp parallel for num_threads(threads) if (M * K > (1 << 14))
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < K; ++k) xb[r * K + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
   const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
-  const int64_t tm = M > 4 ? 8 : MR, tn = tm > 4 ? 2 : NR;
+  const int64_t tm = M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm > 4 ? 2 : (tm > 2 ? 4 : 8);
   const uint16_t* wp = w.ptr<uint16_t>();
   float* op = out.ptr<float>();
   const bool par = M * N * K > (1 << 16);
@@ -239,7 +252,7 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
       const int mr = int(std::min<int64_t>(tm, M - m0));
       for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
         const int nr = int(std::min<int64_t>(tn, nend - n0));
-        float res[8][NR];
+        float res[8][8];
         const uint16_t* xr = xb.data() + m0 * K;
         const uint16_t* wr = wp + n0 * w.stride;
         switch (mr) {
