@@ -573,3 +573,35 @@ def test_sample_distribution(h):
         freq = np.bincount(toks, minlength=V) / n
         assert set(toks.tolist()) <= set(keep.tolist())
         assert 0.5 * np.abs(freq - expect).sum() < 0.04, (T, top_k, top_p, freq, expect)
+
+
+@pytest.mark.parametrize("hq,hkv,hd,rot,norm", [(4, 2, 16, 16, True), (6, 2, 8, 4, False), (2, 2, 64, 64, True)])
+def test_finish_qkv(h, hq, hkv, hd, rot, norm):
+    """q/k head norm + RoPE in place, then k and v written to the cache rows (numpy reference)."""
+    rng = np.random.default_rng(hq * 10 + hd)
+    T, rows_cache, P = 5, 40, 64
+    qkv = rnd(rng, T, (hq + 2 * hkv) * hd)
+    kc, vc = rnd(rng, rows_cache, hkv * hd), rnd(rng, rows_cache, hkv * hd)
+    kv_rows = rng.permutation(rows_cache)[:T].astype(np.int32)
+    pos = rng.integers(0, P, size=T).astype(np.int32)
+    ang = np.arange(P)[:, None] * (1.0 / 1000.0 ** (np.arange(rot // 2) / (rot // 2)))[None, :]
+    cs = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    qw = (1 + 0.3 * rnd(rng, hd)) if norm else None
+    kw = (1 + 0.3 * rnd(rng, hd)) if norm else None
+    out, kco, vco = h.finish_qkv(qkv, kc, vc, kv_rows, pos, cs, hq, hkv, hd, qw, kw, 1e-6)
+    x = f64(qkv).reshape(T, hq + 2 * hkv, hd).copy()
+    if norm:
+        for sl, w in ((slice(0, hq), qw), (slice(hq, hq + hkv), kw)):
+            y = x[:, sl]
+            x[:, sl] = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * f64(w)
+    half = rot // 2
+    c, s = f64(cs)[pos][:, None, :half], f64(cs)[pos][:, None, half:]
+    a, b = x[:, :hq + hkv, :half].copy(), x[:, :hq + hkv, half:rot].copy()
+    x[:, :hq + hkv, :half] = a * c - b * s
+    x[:, :hq + hkv, half:rot] = b * c + a * s
+    close(out, x.reshape(T, -1), atol=2e-5)
+    ref_k, ref_v = f64(kc).copy(), f64(vc).copy()
+    ref_k[kv_rows] = x[:, hq:hq + hkv].reshape(T, -1)
+    ref_v[kv_rows] = x[:, hq + hkv:].reshape(T, -1)
+    close(kco, ref_k, atol=2e-5)
+    close(vco, ref_v, atol=2e-5)

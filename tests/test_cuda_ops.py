@@ -176,6 +176,30 @@ def test_rope(cpu, act, head_dim, rot_dim, rows):
 
 
 @pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("hq,hkv,head_dim,rot_dim", [(4, 2, 64, 64), (32, 8, 128, 128), (24, 4, 256, 64),
+                                                     (8, 8, 128, 32)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("rows", [1, 17, 130])
+def test_finish_qkv(cpu, act, hq, hkv, head_dim, rot_dim, norm, rows):
+    """The fused q/k norm + RoPE + K/V write against the CPU's composition of the single ops
+    (rot_dim 32 takes the CUDA composition path)."""
+    rng = np.random.default_rng(hq * rows + head_dim + norm)
+    cols = (hq + 2 * hkv) * head_dim
+    qkv = rand(rng, (rows, cols), -2, 2, act)
+    kc = rand(rng, (rows + 40, hkv * head_dim), -1, 1, act)
+    vc = rand(rng, (rows + 40, hkv * head_dim), -1, 1, act)
+    kv_rows = rng.permutation(rows + 40)[:rows].astype(np.int32)
+    pos = rng.integers(0, 4096, size=rows).astype(np.int32)
+    table = rope_table(4096, rot_dim)
+    qw = rand(rng, (head_dim,), 0.5, 1.5) if norm else None
+    kw = rand(rng, (head_dim,), 0.5, 1.5) if norm else None
+    ref = cpu.finish_qkv(qkv, kc, vc, kv_rows, pos, table, hq, hkv, head_dim, qw, kw, 1e-6)
+    out = harness(DEVICE, act).finish_qkv(qkv, kc, vc, kv_rows, pos, table, hq, hkv, head_dim, qw, kw, 1e-6)
+    for a, b in zip(out, ref):
+        assert rel(a, b) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("rows", [1, 3, 17, 257])
 @pytest.mark.parametrize("inter", [5, 64, 1000, 3072])
 def test_silu_mul(cpu, act, rows, inter):

@@ -132,6 +132,21 @@ class Backend {
   virtual void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) = 0;
   // out = silu(gate) * up, where gate = gate_up[:, :I] and up = gate_up[:, I:], I = out.cols.
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // One layer's q|k|v projection output qkv (cols = (q_heads + 2 * kv_heads) * head_dim): in place,
+  // RMS-normalizes every q and k head with q_norm / k_norm (when not null), rotates q and k at
+  // positions[row], then writes k and v into the cache at batch.kv_rows. The default composes the
+  // single ops; a backend may fuse them (the values may then differ by the skipped roundings).
+  virtual void finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                          bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,
+                          KvLayer& cache) {
+    const int64_t qn = int64_t(s.q_heads) * s.head_dim, kn = int64_t(s.kv_heads) * s.head_dim;
+    Tensor q = qkv.col_slice(0, qn), k = qkv.col_slice(qn, kn), v = qkv.col_slice(qn + kn, kn);
+    if (q_norm) head_rms_norm(q, s.head_dim, *q_norm, eps, zero_centred);
+    if (k_norm) head_rms_norm(k, s.head_dim, *k_norm, eps, zero_centred);
+    rope(q, s.head_dim, positions, table);
+    rope(k, s.head_dim, positions, table);
+    write_kv(k, v, batch, cache);
+  }
   // Writes this step's k and v rows (cols = kv_heads * head_dim) into the cache at batch.kv_rows.
   virtual void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) = 0;
   // Causal paged attention of q (cols = q_heads * head_dim) over the cache; out like q.

@@ -173,6 +173,25 @@ void bind_op_harness(nb::module_& m) {
              h.be().attention(qd.t, cache, b, sh, o.t);
              return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
            })
+      .def("finish_qkv",
+           [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In kv_rows, I32In positions, F32In cs, int hq, int hkv,
+              int hd, std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {
+             Dev x = h.up(qkv, h.act()), kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
+             Dev kr = h.up_ids(kv_rows), pd = h.up_ids(positions), cd = h.up(cs, DType::F32);
+             std::optional<Dev> qn, kn;
+             if (q_norm) qn = h.up(*q_norm, DType::F32);
+             if (k_norm) kn = h.up(*k_norm, DType::F32);
+             AttnBatch b;
+             b.num_tokens = int(x.t.rows);
+             b.kv_rows = kr.t.ptr<int32_t>();
+             AttnShape sh{hq, hkv, hd, 1.0f};
+             RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
+             KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
+             h.be().finish_qkv(x.t, sh, qn ? &qn->t : nullptr, kn ? &kn->t : nullptr, eps, false, pd.t.ptr<int32_t>(),
+                               tab, b, cache);
+             return std::make_tuple(h.down(x.t), h.down(kcd.t), h.down(vcd.t));
+           }, "qkv"_a, "k_cache"_a, "v_cache"_a, "kv_rows"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a,
+           "head_dim"_a, "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a)
       .def("gather_rows",
            [](OpHarness& h, F32In x, I32In rows) {
              Dev xd = h.up(x, h.act()), rd = h.up_ids(rows);

@@ -249,13 +249,13 @@ Tensor QwenModel::logits_view(int rows) const {
 }
 
 void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
-  const int D = cfg_.head_dim, qn = q_heads_ * D, kn = kv_heads_ * D;
+  const int D = cfg_.head_dim, qn = q_heads_ * D;
   const float eps = cfg_.rms_eps;
   const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
   Tensor res = residual_.row_slice(0, T), h = hidden_.row_slice(0, T), qkv = qkv_.row_slice(0, T),
          attn = attn_.row_slice(0, T), proj = proj_.row_slice(0, T), gu = gate_up_.row_slice(0, T),
          act = act_.row_slice(0, T);
-  Tensor q = qkv.col_slice(0, qn), k = qkv.col_slice(qn, kn), v = qkv.col_slice(qn + kn, kn);
+  Tensor q = qkv.col_slice(0, qn);
 
   be_.embedding(d_tokens_, embed_, res);
   if (comm_.size() > 1) comm_.all_reduce_sum(res);
@@ -264,14 +264,9 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
     if (l == 0) be_.rms_norm(res, L.input_norm, eps, false, h);
     else be_.add_rms_norm(res, proj, L.input_norm, eps, false, h);
     be_.linear(h, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, qkv);
-    if (cfg_.qk_norm) {
-      be_.head_rms_norm(q, D, L.q_norm, eps, false);
-      be_.head_rms_norm(k, D, L.k_norm, eps, false);
-    }
-    be_.rope(q, D, d_positions_, rope_);
-    be_.rope(k, D, d_positions_, rope_);
     KvLayer cache = kv.layer(l);
-    be_.write_kv(k, v, b, cache);
+    be_.finish_qkv(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
+                   d_positions_, rope_, b, cache);
     be_.attention(q, cache, b, shape, attn);
     be_.linear(attn, L.o, nullptr, proj);
     comm_.all_reduce_sum(proj);

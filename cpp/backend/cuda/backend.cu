@@ -251,6 +251,15 @@ void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
   launch_silu_mul(gate_up, out, stream_);
 }
 
+void CudaBackend::finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* qn, const Tensor* kn, float eps, bool zc,
+                             const int32_t* positions, const RopeTable& table, const AttnBatch& b, KvLayer& cache) {
+  set_device();
+  QRT_CHECK(qkv.cols == int64_t(s.q_heads + 2 * s.kv_heads) * s.head_dim, "cuda finish_qkv: qkv has ", qkv.cols,
+            " columns for ", s.q_heads, " + 2 x ", s.kv_heads, " heads of ", s.head_dim);
+  if (!launch_finish_qkv(qkv, s, qn, kn, eps, zc, positions, table, b, cache, stream_))
+    Backend::finish_qkv(qkv, s, qn, kn, eps, zc, positions, table, b, cache);
+}
+
 void CudaBackend::write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b, KvLayer& cache) {
   set_device();
   QRT_CHECK(k.rows == v.rows && k.cols == v.cols, "cuda write_kv: k and v differ in shape");

@@ -42,6 +42,9 @@ class CudaBackend final : public Backend {
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
   void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) override;
+  void finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                  bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,
+                  KvLayer& cache) override;
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
                  Tensor& out) override;
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override;

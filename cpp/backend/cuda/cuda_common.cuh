@@ -86,6 +86,10 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
 void launch_head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc, cudaStream_t s);
 void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& tab, cudaStream_t s);
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
+// Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.
+bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                       bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
+                       cudaStream_t s);
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);
 void launch_add_bias(Tensor& out, const Tensor& bias, cudaStream_t s);
 // Row copies: dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n,

@@ -318,3 +318,98 @@ void launch_copy_rows(const void* src, DType st, int64_t src_stride, const int32
 }
 
 }  // namespace qrt::cuda
+
+// ---- finish_qkv: q/k head norm + RoPE + K/V cache write in one launch --------------------------
+namespace qrt::cuda {
+namespace {
+
+// One warp per (row, head) of q | k | v. Lane l holds elements l + 32 j of its head; with rot_dim / 2 a
+// multiple of 32, the rotation partner of element i (i + rot_dim / 2) sits in the same lane.
+template <typename T, int NJ>
+__global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int hkv, const void* qw, const void* kw,
+                                  DType nt, float eps, bool zc, const int32_t* positions, const float* cs_tab,
+                                  int rot_dim, int max_pos, const int32_t* kv_rows, T* kc, T* vc) {
+  constexpr int D = NJ * 32;
+  const int heads = hq + 2 * hkv;
+  const int64_t task = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (task >= rows * heads) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = task / heads;
+  const int h = int(task % heads);
+  T* p = qkv + r * qs + int64_t(h) * D;
+  float v[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) v[j] = to_f(p[lane + 32 * j]);
+  const int64_t cache_row = int64_t(kv_rows[r]) * (int64_t(hkv) * D);
+  if (h >= hq + hkv) {  // a v head: only the cache write
+    T* dst = vc + cache_row + int64_t(h - hq - hkv) * D;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
+    return;
+  }
+  const bool is_q = h < hq;
+  const void* w = is_q ? qw : kw;
+  if (w) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) ss += v[j] * v[j];
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const float wi = load_any(w, nt, lane + 32 * j);
+      v[j] = v[j] * inv * (zc ? 1.0f + wi : wi);
+    }
+  }
+  const int pos = positions[r];
+  if (pos >= 0 && pos < max_pos) {
+    const int half = rot_dim / 2, hj = half / 32;
+    const float* cs = cs_tab + int64_t(pos) * rot_dim;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      if (j < hj) {
+        const int i = lane + 32 * j;
+        const float a = v[j], b = v[j + hj], c = cs[i], s = cs[half + i];
+        v[j] = a * c - b * s;
+        v[j + hj] = b * c + a * s;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) p[lane + 32 * j] = from_f<T>(v[j]);
+  if (!is_q) {
+    T* dst = kc + cache_row + int64_t(h - hq) * D;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
+  }
+}
+
+}  // namespace
+
+bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const Tensor* kn, float eps, bool zc,
+                       const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
+                       cudaStream_t s) {
+  const int D = sh.head_dim;
+  if ((D != 64 && D != 128 && D != 256) || tab.rot_dim % 64 != 0 || tab.rot_dim > D || cache.dtype != qkv.dtype)
+    return false;  // the caller composes the single ops
+  if (qn && kn && qn->dtype != kn->dtype) return false;
+  if (qkv.rows == 0) return true;
+  const int64_t tasks = qkv.rows * int64_t(sh.q_heads + 2 * sh.kv_heads);
+  const DType nt = qn ? qn->dtype : (kn ? kn->dtype : DType::F32);
+  dispatch_act(qkv.dtype, "finish_qkv", [&](auto tag) {
+    using T = decltype(tag);
+    auto go = [&](auto kernel) {
+      kernel<<<ceil_div(tasks, 8), 256, 0, s>>>(qkv.ptr<T>(), qkv.stride, qkv.rows, sh.q_heads, sh.kv_heads,
+                                                 qn ? qn->data : nullptr, kn ? kn->data : nullptr, nt, eps, zc,
+                                                 positions, tab.cos_sin, tab.rot_dim, tab.max_positions, b.kv_rows,
+                                                 static_cast<T*>(cache.k), static_cast<T*>(cache.v));
+    };
+    if (D == 64) go(finish_qkv_kernel<T, 2>);
+    else if (D == 128) go(finish_qkv_kernel<T, 4>);
+    else go(finish_qkv_kernel<T, 8>);
+  });
+  check_launch("finish_qkv");
+  return true;
+}
+
+}  // namespace qrt::cuda
