@@ -211,6 +211,7 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
   const DType t = x.dtype;
   const int64_t es = int64_t(dtype_size(t));
   const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
+  if (w.dtype == t && launch_gemv(x, w, bias, out, stream_)) return;  // decode: a memory-bound GEMV
   if (w.dtype == t) {
     if (!gemm_.run(t, M, N, K, x.data, x.stride, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
                    bias ? bias->dtype : t, stream_, out.dtype))

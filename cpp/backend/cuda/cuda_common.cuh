@@ -86,6 +86,8 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
 void launch_head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc, cudaStream_t s);
 void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& tab, cudaStream_t s);
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
+// Few-row linear (M <= 8, 16-bit x and w, gemv.cu); returns false (nothing launched) when it does not apply.
+bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, cudaStream_t s);
 // Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
