@@ -193,13 +193,19 @@ class Generator:
     called from several Python threads at once.
     """
 
-    def __init__(self, model, *, device="auto", dtype="auto", max_batch_size: int = 32,
+    def __init__(self, model, *, device="auto", dtype="auto", max_batch_size: int | None = None,
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, load_format: str = "auto",
+                 max_num_batched_tokens: int | None = None, seed: int = 0, load_format: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", progress: bool = True):
         self._engine = None
+        dev, index = _parse_device(device)
+        # Defaults by device: a GPU serves many sequences per step, a CPU few.
+        if max_batch_size is None:
+            max_batch_size = 256 if dev == "cuda" else 32
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if dev == "cuda" else 2048
         for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
                             ("seed", seed, 0), ("num_threads", num_threads, 0)):
@@ -219,7 +225,6 @@ class Generator:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        dev, index = _parse_device(device)
 
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
