@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "backend/cpu/cpu_kernels.h"
 #include "core/error.h"
@@ -24,11 +27,15 @@ inline float dot(const float* a, const float* b, int n) {
     std::memcpy(&y, b + i, 64);
     acc += x * y;
   }
+#if defined(__AVX512F__)
+  float s = _mm512_reduce_add_ps(reinterpret_cast<__m512>(acc));
+#else
   float lanes[16];
   std::memcpy(lanes, &acc, 64);
   for (int w = 8; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
   float s = lanes[0];
+#endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
