@@ -209,11 +209,11 @@ void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int
 
 template <int mr>
 void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[8]) {
-  // At most 16 accumulators: 1-2 rows x 8, 3-4 rows x 4, 5-8 rows x 2 (more independent chains at batch 1).
-  if constexpr (mr > 4) {
+  // Tiles: 1-2 rows x 8 weight rows (batch 1: independent chains), 3-6 rows x 4, 7-8 rows x 2.
+  if constexpr (mr > 6) {
     if (nr >= 2) tile_dp<mr, 2>(x, ldx, w, ldw, K, res);
     else tile_dp<mr, 1>(x, ldx, w, ldw, K, res);
-  } else if constexpr (mr > 2) {
+  } else if constexpr (mr > 2) {  // up to 6 x 4: 24 accumulators (prefill tiles)
     switch (nr) {
       case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
       case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
@@ -241,7 +241,8 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < K; ++k) xb[r * K + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
   const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
-  const int64_t tm = M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm > 4 ? 2 : (tm > 2 ? 4 : 8);
+  // Row tile by batch: prefill (16+ rows) 6 x 4, 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
+  const int64_t tm = M >= 16 ? 6 : M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
   const uint16_t* wp = w.ptr<uint16_t>();
   float* op = out.ptr<float>();
   const bool par = M * N * K > (1 << 16);
