@@ -429,13 +429,13 @@ void Engine::cancel(int64_t id) {
   m.work_cv.notify_all();
 }
 
-RequestOutput Engine::wait(int64_t id, double timeout_s) {
+RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lk(m.mu);
   auto it = m.channels.find(id);
   QRT_CHECK_ARG(it != m.channels.end(), "unknown or finished request id ", id);
   m.out_cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), [&] {
-    return !it->second.tokens.empty() || it->second.finish != Finish::None;
+    return it->second.finish != Finish::None || (!until_finished && !it->second.tokens.empty());
   });
   RequestOutput o = std::move(it->second);
   it->second = RequestOutput{};

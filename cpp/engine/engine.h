@@ -49,9 +49,10 @@ class Engine {
   // Validates and queues a request; throws std::invalid_argument for bad input.
   int64_t submit(const std::vector<int32_t>& prompt, const SamplingOptions& opts);
   void cancel(int64_t id);
-  // Waits up to timeout_s for new output of request id and returns it (tokens may be empty on timeout).
+  // Waits up to timeout_s for new output of request id (until_finished: for its end, so a consumer that
+  // wants only the result is not woken for every token) and returns what arrived (possibly nothing).
   // Once the returned output carries a finish reason the id is forgotten.
-  RequestOutput wait(int64_t id, double timeout_s);
+  RequestOutput wait(int64_t id, double timeout_s, bool until_finished = false);
   EngineStats stats() const;
   // Stops the loop, finishes pending requests as cancelled, frees every device byte. Idempotent.
   void close();

@@ -93,11 +93,12 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _poll(self, timeout: float) -> Delta | None:
-        """Fetches what the engine produced; returns a Delta, or None if nothing came within timeout."""
+    def _poll(self, timeout: float, until_finished: bool = False) -> Delta | None:
+        """Fetches what the engine produced; returns a Delta, or None if nothing came within timeout.
+        until_finished: wait for the end of the request rather than for each token."""
         if self.finished:
             return None
-        out = self._gen._engine_call("wait", self._rid, timeout)
+        out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
         if out.error:
             self.finish_reason = "error"
             raise RuntimeError(out.error)
@@ -164,8 +165,10 @@ class Request:
                 self.cancel()
 
     def result(self) -> Completion:
+        # Without stop strings nothing needs to look at tokens as they come: sleep until the end.
+        whole = self._stop is None
         while not self.finished:
-            self._poll(_POLL_S)
+            self._poll(_POLL_S, until_finished=whole)
         return self.completion()
 
     def completion(self) -> Completion:
