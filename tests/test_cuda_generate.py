@@ -118,6 +118,15 @@ def test_tp1_through_nccl_unchanged(build):
         got = [c.token_ids for c in g.generate(prompts, max_tokens=8, **GREEDY)]
     assert got == ref
 
+
+def test_out_of_memory_is_a_clear_error(build):
+    """A KV pool larger than the device: an error naming the bytes, and the device stays usable."""
+    folder = build("qwen3_hd64_gqa4")
+    with pytest.raises((RuntimeError, ValueError), match="bytes"):
+        cuda_gen(folder, kv_cache_memory=200 << 30)  # 200 GiB: more than an H200 has
+    with cuda_gen(folder) as g:
+        assert g.generate([[1, 2, 3]], max_tokens=2, temperature=0.0, ignore_eos=True)[0].token_ids
+
 def test_unsupported_head_dim_is_a_clear_error(build):
     import qwen_rt
     with pytest.raises(ValueError, match="head_dim 24"):
