@@ -128,7 +128,7 @@ def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: 
 
 def bench_offline(model: str, limits: dict, rng, n_fixed=512, n_random=1000) -> list[dict]:
     rows = []
-    g = _gen(model, max_batch_size=256, max_model_len=4096 + 16, max_num_batched_tokens=8192)
+    g = _gen(model, max_batch_size=512, max_model_len=4096 + 16, max_num_batched_tokens=16384)
     V = g.config["vocab_size"]
     try:
         ps = _prompts(rng, 8, 128, V)
