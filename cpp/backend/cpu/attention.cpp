@@ -16,8 +16,6 @@
 namespace qrt::cpu {
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-
 inline float dot(const float* a, const float* b, int n) {
   v16f acc{};
   int i = 0;
@@ -80,12 +78,7 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
         float* sc = scores.data() + size_t(h) * n;
         float mx = -INFINITY;
         for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
-        float sum = 0.f;
-        for (int p = 0; p < n; ++p) {
-          sc[p] = std::exp(sc[p] - mx);
-          sum += sc[p];
-        }
-        inv[h] = 1.f / sum;
+        inv[h] = 1.f / exp_shift_sum(sc, n, mx);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int p = 0; p < n; ++p) {

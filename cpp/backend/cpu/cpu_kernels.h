@@ -1,12 +1,58 @@
 // Kernels of the CPU backend (fp32 compute). Internal to cpp/backend/cpu/.
 #pragma once
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "backend/ops.h"
 
 namespace qrt::cpu {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 in 16 lanes: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2, a degree-6 polynomial
+// (relative error ~2e-7). Deterministic on every machine, vectorized without -ffast-math.
+inline v16f exp16(v16f x) {
+  const v16f lim = v16f{} - 87.0f;  // keeps 2^n a normal number
+  x = x < lim ? lim : x;
+  const v16f u = x * 1.44269504f + 0.5f;
+  v16i ni = __builtin_convertvector(u, v16i);             // truncates toward zero
+  ni += (v16i)(__builtin_convertvector(ni, v16f) > u);     // ... so step down to floor where needed
+  const v16f n = __builtin_convertvector(ni, v16f);
+  const v16f r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v16f q = v16f{} + 1.0f / 720.0f;
+  q = q * r + 1.0f / 120.0f;
+  q = q * r + 1.0f / 24.0f;
+  q = q * r + 1.0f / 6.0f;
+  q = q * r + 0.5f;
+  q = q * r + 1.0f;
+  q = q * r + 1.0f;
+  return q * (v16f)((ni + 127) << 23);
+}
+
+// In place: x[i] = exp(x[i] - shift) for i < n; returns their sum.
+inline float exp_shift_sum(float* x, int64_t n, float shift) {
+  v16f acc{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16f v;
+    std::memcpy(&v, x + i, 64);
+    v = exp16(v - shift);
+    std::memcpy(x + i, &v, 64);
+    acc += v;
+  }
+  float lanes[16];
+  std::memcpy(lanes, &acc, 64);
+  float s = 0.f;
+  for (float l : lanes) s += l;
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    s += x[i];
+  }
+  return s;
+}
 
 // Row r of a weight/activation tensor converted to fp32 into dst (cols elements).
 void load_row_f32(const Tensor& t, int64_t r, float* dst);

@@ -17,7 +17,6 @@
 namespace qrt::cpu {
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef _Float16 v16f16 __attribute__((vector_size(32)));

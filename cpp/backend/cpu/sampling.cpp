@@ -13,29 +13,6 @@
 namespace qrt::cpu {
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 in 16 lanes: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2, a degree-6 polynomial
-// (relative error ~2e-7). Deterministic on every machine, vectorized without -ffast-math.
-inline v16f exp16(v16f x) {
-  const v16f lim = v16f{} - 87.0f;  // keeps 2^n a normal number
-  x = x < lim ? lim : x;
-  const v16f u = x * 1.44269504f + 0.5f;
-  v16i ni = __builtin_convertvector(u, v16i);             // truncates toward zero
-  ni += (v16i)(__builtin_convertvector(ni, v16f) > u);     // ... so step down to floor where needed
-  const v16f n = __builtin_convertvector(ni, v16f);
-  const v16f r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  v16f q = v16f{} + 1.0f / 720.0f;
-  q = q * r + 1.0f / 120.0f;
-  q = q * r + 1.0f / 24.0f;
-  q = q * r + 1.0f / 6.0f;
-  q = q * r + 0.5f;
-  q = q * r + 1.0f;
-  q = q * r + 1.0f;
-  return q * (v16f)((ni + 127) << 23);
-}
-
 // max, first argmax and log-sum-exp of a row in one place.
 struct RowStats {
   float max;
