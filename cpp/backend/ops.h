@@ -127,8 +127,9 @@ class Backend {
   virtual void head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zero_centred) = 0;
   // In place rotary embedding of every head of x (cols = heads * head_dim) at positions[row].
   virtual void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) = 0;
-  // out = x @ w^T (+ bias [1, out]) ; out may be a strided view. With BF16 weights the products are
-  // of bf16 values (x rounded to bf16), accumulated in fp32, on every backend; F32 weights are exact fp32.
+  // out = x @ w^T (+ bias [1, out]); out has x's dtype or F32 (logits) and may be a strided view.
+  // With BF16 weights the products are of bf16 values (x rounded to bf16), accumulated in fp32, on every
+  // backend; F32 and F16 weights with F32 activations are exact fp32.
   virtual void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) = 0;
   // out = silu(gate) * up, where gate = gate_up[:, :I] and up = gate_up[:, I:], I = out.cols.
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
