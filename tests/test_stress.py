@@ -57,3 +57,19 @@ def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp):
     assert s["free_slots"] == s["total_slots"] and s["free_pages"] == s["total_pages"], s
     assert s["running"] == 0 and s["waiting"] == 0, s
     assert s["preemptions"] > 0, s  # the pool was small enough to force recomputation
+
+
+def test_seeded_sampling_survives_preemption(build, fresh_gen, idle):
+    """Seeded temperature sampling: tokens alone equal tokens in a crowded batch that preempts."""
+    folder = build("qwen2_gqa4_untied")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, size=int(n)).tolist() for n in rng.integers(10, 35, size=12)]
+    kw = dict(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True)
+    alone_gen = fresh_gen(folder, max_batch_size=1)
+    alone = [alone_gen.generate([p], seed=100 + i, **kw)[0].token_ids for i, p in enumerate(prompts)]
+    crowded = fresh_gen(folder, max_batch_size=8, max_model_len=64, max_num_batched_tokens=24,
+                        kv_cache_memory=M.kv_bytes(folder, 6, 16))
+    reqs = [crowded.submit(p, seed=100 + i, **kw) for i, p in enumerate(prompts)]
+    together = [r.result().token_ids for r in reqs]
+    assert together == alone
+    assert idle(crowded)["preemptions"] > 0
