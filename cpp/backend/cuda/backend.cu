@@ -34,7 +34,7 @@ void CudaBackend::cleanup() noexcept {
   if (stream_) cudaStreamSynchronize(stream_);
   for (auto g : graphs_) cudaGraphExecDestroy(g);
   graphs_.clear();
-  for (Scratch* s : {&w_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_out_}) {
+  for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_out_}) {
     if (s->p) cudaFree(s->p);
     s->p = nullptr;
     s->bytes = 0;
@@ -218,6 +218,8 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
       launch_add_bias(out, *bias, stream_);
     return;
   }
+  QRT_CHECK(!(t == DType::F16 && w.dtype == DType::BF16),
+            "cuda linear: bfloat16 weights with float16 activations are not supported (use bfloat16)");
   if (t == DType::F32 && w.dtype == DType::BF16) {
     // The ops.h contract: bf16 weights multiply bf16 activations (x rounded), fp32 accumulation.
     void* xb = scratch(x_conv_, size_t(M * K * 2), "linear activation conversion");
@@ -257,6 +259,8 @@ void CudaBackend::finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* qn, 
   set_device();
   QRT_CHECK(qkv.cols == int64_t(s.q_heads + 2 * s.kv_heads) * s.head_dim, "cuda finish_qkv: qkv has ", qkv.cols,
             " columns for ", s.q_heads, " + 2 x ", s.kv_heads, " heads of ", s.head_dim);
+  QRT_CHECK(b.kv_rows && qkv.rows <= b.num_tokens, "cuda finish_qkv: ", qkv.rows, " rows for a batch of ",
+            b.num_tokens, " tokens");
   if (!launch_finish_qkv(qkv, s, qn, kn, eps, zc, positions, table, b, cache, stream_))
     Backend::finish_qkv(qkv, s, qn, kn, eps, zc, positions, table, b, cache);
 }

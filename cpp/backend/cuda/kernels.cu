@@ -325,11 +325,12 @@ namespace {
 
 // One warp per (row, head) of q | k | v. Lane l holds elements l + 32 j of its head; with rot_dim / 2 a
 // multiple of 32, the rotation partner of element i (i + rot_dim / 2) sits in the same lane.
-template <typename T, int NJ>
+template <typename T, int NJ, int HJ>  // NJ = head_dim / 32, HJ = rot_dim / 64 (compile time: v[] in registers)
 __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int hkv, const void* qw, const void* kw,
                                   DType nt, float eps, bool zc, const int32_t* positions, const float* cs_tab,
                                   int rot_dim, int max_pos, const int32_t* kv_rows, T* kc, T* vc) {
   constexpr int D = NJ * 32;
+  (void)rot_dim;  // HJ * 64, known at compile time
   const int heads = hq + 2 * hkv;
   const int64_t task = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (task >= rows * heads) return;
@@ -340,8 +341,10 @@ __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int 
   float v[NJ];
 #pragma unroll
   for (int j = 0; j < NJ; ++j) v[j] = to_f(p[lane + 32 * j]);
-  const int64_t cache_row = int64_t(kv_rows[r]) * (int64_t(hkv) * D);
+  const int32_t kv_row = kv_rows[r];
+  const int64_t cache_row = int64_t(kv_row) * (int64_t(hkv) * D);
   if (h >= hq + hkv) {  // a v head: only the cache write
+    if (kv_row < 0) return;
     T* dst = vc + cache_row + int64_t(h - hq - hkv) * D;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
@@ -363,21 +366,19 @@ __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int 
   }
   const int pos = positions[r];
   if (pos >= 0 && pos < max_pos) {
-    const int half = rot_dim / 2, hj = half / 32;
-    const float* cs = cs_tab + int64_t(pos) * rot_dim;
+    const int half = HJ * 32;
+    const float* cs = cs_tab + int64_t(pos) * (2 * half);
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      if (j < hj) {
-        const int i = lane + 32 * j;
-        const float a = v[j], b = v[j + hj], c = cs[i], s = cs[half + i];
-        v[j] = a * c - b * s;
-        v[j + hj] = b * c + a * s;
-      }
+    for (int j = 0; j < HJ; ++j) {
+      const int i = lane + 32 * j;
+      const float a = v[j], b = v[j + HJ], c = cs[i], s = cs[half + i];
+      v[j] = a * c - b * s;
+      v[j + HJ] = b * c + a * s;
     }
   }
 #pragma unroll
   for (int j = 0; j < NJ; ++j) p[lane + 32 * j] = from_f<T>(v[j]);
-  if (!is_q) {
+  if (!is_q && kv_row >= 0) {
     T* dst = kc + cache_row + int64_t(h - hq) * D;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
@@ -390,7 +391,8 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
                        const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
                        cudaStream_t s) {
   const int D = sh.head_dim;
-  if ((D != 64 && D != 128 && D != 256) || tab.rot_dim % 64 != 0 || tab.rot_dim > D || cache.dtype != qkv.dtype)
+  if ((D != 64 && D != 128 && D != 256) || tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
+      tab.rot_dim / 64 == 3 || cache.dtype != qkv.dtype)
     return false;  // the caller composes the single ops
   if (qn && kn && qn->dtype != kn->dtype) return false;
   if (qkv.rows == 0) return true;
@@ -404,9 +406,12 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
                                                  positions, tab.cos_sin, tab.rot_dim, tab.max_positions, b.kv_rows,
                                                  static_cast<T*>(cache.k), static_cast<T*>(cache.v));
     };
-    if (D == 64) go(finish_qkv_kernel<T, 2>);
-    else if (D == 128) go(finish_qkv_kernel<T, 4>);
-    else go(finish_qkv_kernel<T, 8>);
+    const int hj = tab.rot_dim / 64;  // 1, 2 or 4 (checked above), at most NJ / 2
+    if (D == 64) go(finish_qkv_kernel<T, 2, 1>);
+    else if (D == 128) hj == 1 ? go(finish_qkv_kernel<T, 4, 1>) : go(finish_qkv_kernel<T, 4, 2>);
+    else if (hj == 1) go(finish_qkv_kernel<T, 8, 1>);
+    else if (hj == 2) go(finish_qkv_kernel<T, 8, 2>);
+    else go(finish_qkv_kernel<T, 8, 4>);
   });
   check_launch("finish_qkv");
   return true;
