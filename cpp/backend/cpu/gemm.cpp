@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -24,6 +25,36 @@ typedef _Float16 v16f16 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 constexpr int MR = 4;  // rows of x per tile
 constexpr int NR = 4;  // rows of w per tile
+
+// A tile's dot products: up to 8 rows of x by up to 8 rows of w (every tile family fits).
+using TileResult = float[8][8];
+
+// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..8.
+template <typename F>
+void with_rows(int mr, F&& f) {
+  switch (mr) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// out[m0 + i, n0 + j] = res[i][j] (+ bias[n0 + j]).
+inline void store_tile(const TileResult& res, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
+                       Tensor& out) {
+  float* op = out.ptr<float>();
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) {
+      float v = res[i][j];
+      if (bias) v += load_f32(*bias, 0, n0 + j);
+      op[(m0 + i) * out.stride + n0 + j] = v;
+    }
+}
 
 template <DType WT> inline v16f load_w(const void* base, int64_t i);
 
@@ -66,7 +97,7 @@ inline float lane_sum(v16f v) {
 
 // One tile: rows m0..m0+mr of x against rows n0..n0+nr of w.
 template <DType WT, int mr, int nr>
-void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, float (*res)[NR]) {
+void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
   v16f acc[mr][nr];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = v16f{};
@@ -89,7 +120,7 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
 }
 
 template <DType WT, int mr>
-void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, float (*res)[NR]) {
+void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
   if constexpr (mr > 4) {  // 8 x 2 at most: 16 accumulators
     if (nr >= 2) tile<WT, mr, 2>(x, ldx, w, ldw, K, res);
     else tile<WT, mr, 1>(x, ldx, w, ldw, K, res);
@@ -115,17 +146,8 @@ void widen_row(const char* w, int64_t K, float* dst) {
 }
 
 template <DType WT>
-void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, float (*res)[NR]) {
-  switch (mr) {
-    case 8: tile_n<WT, 8>(nr, x, ldx, w, ldw, K, res); break;
-    case 7: tile_n<WT, 7>(nr, x, ldx, w, ldw, K, res); break;
-    case 6: tile_n<WT, 6>(nr, x, ldx, w, ldw, K, res); break;
-    case 5: tile_n<WT, 5>(nr, x, ldx, w, ldw, K, res); break;
-    case 4: tile_n<WT, 4>(nr, x, ldx, w, ldw, K, res); break;
-    case 3: tile_n<WT, 3>(nr, x, ldx, w, ldw, K, res); break;
-    case 2: tile_n<WT, 2>(nr, x, ldx, w, ldw, K, res); break;
-    default: tile_n<WT, 1>(nr, x, ldx, w, ldw, K, res); break;
-  }
+void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
+  with_rows(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
 }
 
 template <DType WT>
@@ -142,7 +164,6 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   const int64_t tm = (M > 4 && M < 16) ? 8 : MR;
   const int64_t tn = tm > 4 ? 2 : NR;
   const float* xp = x.ptr<float>();
-  float* op = out.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
 #pragma omp parallel num_threads(threads) if (par)
@@ -157,19 +178,14 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
         const int mr = int(std::min<int64_t>(tm, M - m0));
         for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
           const int nr = int(std::min<int64_t>(tn, nend - n0));
-          float res[8][NR];
+          TileResult res;
           const float* xr = xp + m0 * x.stride;
           if (widen)
             run_tile<DType::F32>(mr, nr, xr, x.stride, reinterpret_cast<const char*>(wide.data() + (n0 - n_begin) * K),
                                  K * 4, K, res);
           else
             run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res);
-          for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) {
-              float v = res[i][j];
-              if (bias) v += load_f32(*bias, 0, n0 + j);
-              op[(m0 + i) * out.stride + n0 + j] = v;
-            }
+          store_tile(res, mr, nr, m0, n0, bias, out);
         }
       }
     }
@@ -180,7 +196,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
 // bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
 // multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
 template <int mr, int nr>
-void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[8]) {
+void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
   __m512 acc[mr][nr];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -207,7 +223,7 @@ void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int
 }
 
 template <int mr>
-void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*res)[8]) {
+void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
   // Tiles: 1-2 rows x 8 weight rows (batch 1: independent chains), 3-6 rows x 4, 7-8 rows x 2.
   if constexpr (mr > 6) {
     if (nr >= 2) tile_dp<mr, 2>(x, ldx, w, ldw, K, res);
@@ -243,7 +259,6 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
   // Row tile by batch: prefill (16+ rows) 6 x 4, 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
   const int64_t tm = M >= 16 ? 6 : M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
   const uint16_t* wp = w.ptr<uint16_t>();
-  float* op = out.ptr<float>();
   const bool par = M * N * K > (1 << 16);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t nb = 0; nb < nblocks; ++nb) {
@@ -252,25 +267,11 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
       const int mr = int(std::min<int64_t>(tm, M - m0));
       for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
         const int nr = int(std::min<int64_t>(tn, nend - n0));
-        float res[8][8];
+        TileResult res;
         const uint16_t* xr = xb.data() + m0 * K;
         const uint16_t* wr = wp + n0 * w.stride;
-        switch (mr) {
-          case 8: tile_dp_n<8>(nr, xr, K, wr, w.stride, K, res); break;
-          case 7: tile_dp_n<7>(nr, xr, K, wr, w.stride, K, res); break;
-          case 6: tile_dp_n<6>(nr, xr, K, wr, w.stride, K, res); break;
-          case 5: tile_dp_n<5>(nr, xr, K, wr, w.stride, K, res); break;
-          case 4: tile_dp_n<4>(nr, xr, K, wr, w.stride, K, res); break;
-          case 3: tile_dp_n<3>(nr, xr, K, wr, w.stride, K, res); break;
-          case 2: tile_dp_n<2>(nr, xr, K, wr, w.stride, K, res); break;
-          default: tile_dp_n<1>(nr, xr, K, wr, w.stride, K, res); break;
-        }
-        for (int i = 0; i < mr; ++i)
-          for (int j = 0; j < nr; ++j) {
-            float v = res[i][j];
-            if (bias) v += load_f32(*bias, 0, n0 + j);
-            op[(m0 + i) * out.stride + n0 + j] = v;
-          }
+        with_rows(mr, [&](auto rows) { tile_dp_n<decltype(rows)::value>(nr, xr, K, wr, w.stride, K, res); });
+        store_tile(res, mr, nr, m0, n0, bias, out);
       }
     }
   }
