@@ -92,10 +92,15 @@ void QwenModel::load_weights(const Progress& progress) {
   const float ws = 0.02f * std::sqrt(3.0f);  // uniform with std 0.02, like transformers' init
   const float norm_one = 1.0f;
 
-  // Vocab-parallel: this rank holds rows [vocab0_, vocab0_ + vocab_rows_) of the embedding (and LM head).
-  embed_ = alloc_tensor(wt, vocab_pad_, H);
-  be_.fill_zero(embed_.data, embed_.nbytes());
-  if (vocab_rows_ > 0) load(pre + "embed_tokens.weight", V, H, vocab0_, 0, embed_.row_slice(0, vocab_rows_), ws, 0.f);
+  // Vocab-parallel: this rank holds rows [vocab0_, vocab0_ + vocab_rows_) of the embedding (and LM head),
+  // padded with zero rows to vocab_pad_.
+  auto load_vocab_shard = [&](const std::string& name) {
+    Tensor t = alloc_tensor(wt, vocab_pad_, H);
+    be_.fill_zero(t.data, t.nbytes());
+    if (vocab_rows_ > 0) load(name, V, H, vocab0_, 0, t.row_slice(0, vocab_rows_), ws, 0.f);
+    return t;
+  };
+  embed_ = load_vocab_shard(pre + "embed_tokens.weight");
   layers_.resize(cfg_.num_layers);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     if (progress) progress("loading weights", l, cfg_.num_layers);
@@ -137,9 +142,7 @@ void QwenModel::load_weights(const Progress& progress) {
   if (cfg_.tie_embeddings) {
     lm_head_.w = embed_;
   } else {
-    lm_head_.w = alloc_tensor(wt, vocab_pad_, H);
-    be_.fill_zero(lm_head_.w.data, lm_head_.w.nbytes());
-    if (vocab_rows_ > 0) load("lm_head.weight", V, H, vocab0_, 0, lm_head_.w.row_slice(0, vocab_rows_), ws, 0.f);
+    lm_head_.w = load_vocab_shard("lm_head.weight");
   }
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();
