@@ -88,7 +88,8 @@ constexpr size_t rows_smem_bytes() {
          + 3 * GM * 4;                          // m, l, alpha
 }
 
-struct RowsArgs {
+// What both attention kernels read: q, the paged cache, the batch, the output (filled by attn_args).
+struct AttnArgs {
   const void* q;
   int64_t q_stride;
   const void* kc;
@@ -96,10 +97,14 @@ struct RowsArgs {
   const int32_t* q_start;
   const int32_t* ctx_len;
   const int32_t* page_table;
-  int max_pages, page_size, num_seqs, kv_heads, group, gsubs, q_heads;
+  int max_pages, page_size, kv_heads, group;
   float scale_log2;
   void* out;
   int64_t out_stride;
+};
+
+struct RowsArgs : AttnArgs {
+  int num_seqs, gsubs, q_heads;
   float* part;  // nsplit > 1: [rows, q_heads, nsplit, D] outputs then [rows, q_heads, nsplit, 2] (m, l)
   int nsplit, num_tokens;
 };
@@ -357,18 +362,8 @@ template <int D> struct TileCfg {
   static constexpr size_t smem = size_t(BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
 };
 
-struct TileArgs {
-  const void* q;
-  int64_t q_stride;
-  const void* kc;
-  const void* vc;
-  const int32_t* q_start;
-  const int32_t* ctx_len;
-  const int32_t* page_table;
-  int max_pages, page_size, kv_heads, group, tokens_per_tile;
-  float scale_log2;
-  void* out;
-  int64_t out_stride;
+struct TileArgs : AttnArgs {
+  int tokens_per_tile;
 };
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
@@ -622,11 +617,8 @@ void check_shape(const Tensor& q, const KvLayer& cache, const AttnBatch& b, cons
   QRT_CHECK(b.page_size > 0, "cuda attention: bad page size ", b.page_size);
 }
 
-template <typename T, int D>
-void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-              const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
-  const int group = sh.q_heads / sh.kv_heads;
-  RowsArgs a;
+void attn_args(AttnArgs& a, const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+               Tensor& out) {
   a.q = q.data;
   a.q_stride = q.stride;
   a.kc = cache.k;
@@ -636,14 +628,22 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   a.page_table = b.page_table;
   a.max_pages = b.max_pages;
   a.page_size = b.page_size;
-  a.num_seqs = b.num_seqs;
   a.kv_heads = sh.kv_heads;
-  a.group = group;
-  a.gsubs = (group + kGMax - 1) / kGMax;
-  a.q_heads = sh.q_heads;
+  a.group = sh.q_heads / sh.kv_heads;
   a.scale_log2 = sh.scale * kLog2e;
   a.out = out.data;
   a.out_stride = out.stride;
+}
+
+template <typename T, int D>
+void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+              const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
+  const int group = sh.q_heads / sh.kv_heads;
+  RowsArgs a;
+  attn_args(a, q, cache, b, sh, out);
+  a.num_seqs = b.num_seqs;
+  a.gsubs = (group + kGMax - 1) / kGMax;
+  a.q_heads = sh.q_heads;
   a.part = ws.partial;
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
@@ -670,23 +670,9 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
 template <typename T, int D>
 void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
               cudaStream_t st) {
-  const int group = sh.q_heads / sh.kv_heads;
   TileArgs a;
-  a.q = q.data;
-  a.q_stride = q.stride;
-  a.kc = cache.k;
-  a.vc = cache.v;
-  a.q_start = b.q_start;
-  a.ctx_len = b.ctx_len;
-  a.page_table = b.page_table;
-  a.max_pages = b.max_pages;
-  a.page_size = b.page_size;
-  a.kv_heads = sh.kv_heads;
-  a.group = group;
-  a.tokens_per_tile = TileCfg<D>::BM / group;
-  a.scale_log2 = sh.scale * kLog2e;
-  a.out = out.data;
-  a.out_stride = out.stride;
+  attn_args(a, q, cache, b, sh, out);
+  a.tokens_per_tile = TileCfg<D>::BM / a.group;
   constexpr size_t smem = TileCfg<D>::smem;
   check(cudaFuncSetAttribute(attn_tile_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "attention (smem attribute)");
