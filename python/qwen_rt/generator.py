@@ -228,6 +228,8 @@ class Generator:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if comm not in ("auto", "nccl"):
+            raise ValueError(f"comm must be 'auto' or 'nccl', got {comm!r}")
 
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
@@ -252,8 +254,6 @@ class Generator:
         opts.seed = seed
         opts.num_threads = num_threads
         opts.cuda_graphs = cuda_graphs
-        if comm not in ("auto", "nccl"):
-            raise ValueError(f"comm must be 'auto' or 'nccl', got {comm!r}")
         opts.comm = comm
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
