@@ -29,6 +29,20 @@ def _torch():
     return torch
 
 
+def _median_seconds(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median device time of fn() over reps runs after warmup runs, with CUDA events."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        s.record(); fn(); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_limits() -> dict:
     """Copy bandwidth (bytes read + written) and the dense bf16 matmul rate, through torch."""
     torch = _torch()
@@ -36,32 +50,26 @@ def measure_limits() -> dict:
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     a.random_(0, 255)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        s.record(); b.copy_(a); e.record(); e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    times.sort()
-    bw = 2 * n / times[len(times) // 2]
+    bw = 2 * n / _median_seconds(lambda: b.copy_(a))
     del a, b
     m = 8192
     x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        x @ y
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s.record(); x @ y; e.record(); e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    times.sort()
-    flops = 2 * m ** 3 / times[len(times) // 2]
+    flops = 2 * m ** 3 / _median_seconds(lambda: x @ y)
     del x, y
     torch.cuda.empty_cache()
     return {"copy_bw": bw, "bf16_flops": flops}
+
+
+def _hf_config(model: str):
+    """transformers' config for a packaged (or hub) model name, architectures kept."""
+    import transformers
+    from qwen_rt.model_files import resolve
+    raw = resolve(model, load_format="dummy").config
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items()
+                                               if k not in ("architectures", "transformers_version")})
+    cfg.architectures = raw.get("architectures")
+    return cfg
 
 
 def _cfg_numbers(cfg: dict) -> dict:
@@ -187,9 +195,7 @@ def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, caches=
     """transformers on the same config (random weights), sdpa, dynamic and static cache."""
     torch = _torch()
     import transformers
-    from qwen_rt.model_files import resolve
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in resolve(model, load_format="dummy").config.items()
-                                               if k not in ("architectures", "transformers_version")})
+    cfg = _hf_config(model)
     cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
         m = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
@@ -229,11 +235,7 @@ def bench_startup(model: str, rng) -> list[dict]:
     """Writes random weights of the model's shape as safetensors, then times Generator() -> first token."""
     torch = _torch()
     import transformers
-    from qwen_rt.model_files import resolve
-    files = resolve(model, load_format="dummy")
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in files.config.items()
-                                               if k not in ("architectures", "transformers_version")})
-    cfg.architectures = files.config.get("architectures")
+    cfg = _hf_config(model)
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("QWEN_RT_BENCH_DIR")) as d:
         with torch.device("cuda"):
