@@ -235,16 +235,12 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     // Online softmax: warp w owns heads w and w + 4.
     for (int g = warp; g < ng; g += kRowThreads / 32) {
       const float v = lane < TILE ? ps[lane * GM + g] : -INFINITY;
-      float mx = v;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float mx = warp_max(v);
       const float m_old = m_s[g];
       const float m_new = fmaxf(m_old, mx);
       const float p = v == -INFINITY ? 0.f : exp2f(v - m_new);
       if (lane < TILE) ps[lane * GM + g] = p;
-      float sum = p;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const float sum = warp_sum(p);
       if (lane == 0) {
         const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
         m_s[g] = m_new;

@@ -17,12 +17,6 @@ template <> struct Pair<__half> {
   static __device__ __forceinline__ float2 f2(type v) { return __half22float2(v); }
 };
 
-__device__ __forceinline__ float gemv_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // 8 elements (16 bytes) of x against 8 of w, accumulated pairwise in a fixed order.
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
@@ -71,7 +65,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
   const float b = bias ? load_any(bias, bias_t, n) : 0.f;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const float s = gemv_warp_sum(acc[m]);
+    const float s = warp_sum(acc[m]);
     if (lane == 0) out[m * ldo + n] = from_f<O>(s + b);
   }
 }

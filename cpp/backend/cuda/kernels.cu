@@ -39,12 +39,7 @@ __global__ void embedding_kernel(const int32_t* ids, const void* table, DType tt
     store_any(out, ot, r * os + c, ok ? load_any(table, tt, id * ts + c) : 0.f);
 }
 
-// ---- reductions -------------------------------------------------------------------------------
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+// ---- reductions (warp_sum, warp_max: cuda_common.cuh) -----------------------------------------
 
 __device__ float block_sum(float v) {
   __shared__ float red[32];
