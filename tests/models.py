@@ -271,10 +271,10 @@ def save_state(folder: Path, state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def hf_model(folder: str):
+def hf_model(folder: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+    m = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype),
                                              attn_implementation="eager")
     m.eval()
     return m
@@ -287,9 +287,10 @@ def hf_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def hf_logits(folder, ids, all_positions: bool = False) -> np.ndarray:
-    """fp32 logits of transformers for `ids`: last position [V], or every position [T, V]."""
-    m = hf_model(str(folder))
+def hf_logits(folder, ids, all_positions: bool = False, dtype: str = "float32") -> np.ndarray:
+    """Logits of transformers (fp32 unless `dtype` says otherwise) for `ids`: last position [V], or every
+    position [T, V]."""
+    m = hf_model(str(folder), dtype)
     with torch.no_grad():
         out = m(torch.tensor([list(ids)], dtype=torch.long)).logits[0].double().numpy()
     return out if all_positions else out[-1]

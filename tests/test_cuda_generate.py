@@ -42,14 +42,19 @@ def test_greedy_fp32_equals_transformers(build, name):
 
 @pytest.mark.parametrize("name", ["qwen3_hd128_gqa2", "qwen2_hd64_bias"])
 def test_bf16_logprobs_close(build, name):
+    """bf16 mode: top-5 logprobs of the first token stay as close to transformers' fp32 ones as
+    transformers' own bf16 run does (at most twice its error, plus 0.02)."""
     folder = build(name)
     p = M.pick_prompts(folder, seed=5, lengths=[20], max_new=1)[0]
     with cuda_gen(folder, dtype="bfloat16") as g:
         c = g.generate([p], max_tokens=1, logprobs=5, **GREEDY)[0]
     ref = M.log_softmax(M.hf_logits(str(folder), p))
-    ref = ref[-1] if ref.ndim == 2 else ref
-    for tok, lp in c.logprobs[0].items():
-        assert abs(lp - ref[tok]) < 0.1, (tok, lp, ref[tok])
+    hf_bf16 = M.log_softmax(M.hf_logits(str(folder), p, dtype="bfloat16"))
+    toks = list(c.logprobs[0])
+    assert len(toks) >= 5
+    ours = max(abs(c.logprobs[0][t] - ref[t]) for t in toks)
+    theirs = max(abs(hf_bf16[t] - ref[t]) for t in toks)
+    assert ours <= 2 * theirs + 0.02, (ours, theirs)
 
 
 def test_batch_of_64_equals_alone_fp32(build):
@@ -82,10 +87,10 @@ def test_close_returns_device_memory(build):
     folder = build("qwen3_hd64_gqa4")
     torch.cuda.init()
     free0, _ = torch.cuda.mem_get_info()
-    g = cuda_gen(folder, gpu_memory_utilization=0.3)
+    g = cuda_gen(folder, kv_cache_memory=2 << 30)  # a pool far larger than the tiny model needs
     g.generate([[1, 2, 3]], max_tokens=4, **GREEDY)
     free1, _ = torch.cuda.mem_get_info()
-    assert free0 - free1 > 1 << 30  # the KV pool took a share of the device
+    assert free0 - free1 > 2 << 30  # the KV pool (and the rest) took device memory
     g.close()
     free2, _ = torch.cuda.mem_get_info()
     assert abs(free0 - free2) < 64 << 20, (free0, free1, free2)

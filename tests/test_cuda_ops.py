@@ -105,7 +105,7 @@ def test_fill_random_seed_matters():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("rows", [1, 3, 17, 257])
-@pytest.mark.parametrize("cols", [7, 64, 1000, 4096])
+@pytest.mark.parametrize("cols", [7, 64, 1000, 4096, 5120, 40000])
 @pytest.mark.parametrize("zc", [False, True])
 def test_rms_norm(cpu, act, rows, cols, zc):
     rng = np.random.default_rng(rows * 1000 + cols + zc)
@@ -270,6 +270,23 @@ def test_linear_same_dtype(cpu, act, m, n, k, bias):
     ref = np.asarray(cpu.linear(x, w, b, "float32"))
     out = np.asarray(harness(DEVICE, act).linear(x, w, b, act))
     assert out.shape == (m, n)
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (8, 1536, 1024), (9, 64, 256), (33, 24, 72)])
+def test_linear_silu_mul(cpu, act, m, inter, k):
+    """The MLP's gate|up projection with silu_mul: equal to CUDA linear then silu_mul (bit for bit: the
+    decode GEMV fuses the two), and close to the CPU."""
+    rng = np.random.default_rng(m * 17 + inter + k)
+    x = rand(rng, (m, k), -1, 1, act)
+    w = round_to(rand(rng, (2 * inter, k), -1, 1, act) / math.sqrt(k), act)
+    h = harness(DEVICE, act)
+    out = np.asarray(h.linear_silu_mul(x, w))
+    composed = np.asarray(h.silu_mul(np.asarray(h.linear(x, w, None, act))))
+    assert out.shape == (m, inter)
+    np.testing.assert_array_equal(out, composed)
+    ref = np.asarray(cpu.linear_silu_mul(x, w))
     assert rel(out, ref) < TOL[act]
 
 

@@ -133,6 +133,13 @@ class Backend {
   virtual void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) = 0;
   // out = silu(gate) * up, where gate = gate_up[:, :I] and up = gate_up[:, I:], I = out.cols.
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // The MLP's first half: out = silu_mul(x @ gate_up^T), gate_up [2 I, in] with I = out.cols.
+  // gate_up_out [rows, 2 I] (x's dtype) is scratch for the default composition; a fused backend may
+  // leave it untouched (values equal to the composition's).
+  virtual void linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
+    linear(x, gate_up, nullptr, gate_up_out);
+    silu_mul(gate_up_out, out);
+  }
   // One layer's q|k|v projection output qkv (cols = (q_heads + 2 * kv_heads) * head_dim): in place,
   // RMS-normalizes every q and k head with q_norm / k_norm (when not null), rotates q and k at
   // positions[row], then writes k and v into the cache at batch.kv_rows. The default composes the

@@ -138,6 +138,16 @@ void bind_op_harness(nb::module_& m) {
              h.be().linear(xd.t, lin, bd ? &bd->t : nullptr, o.t);
              return h.down(o.t);
            }, "x"_a, "w"_a, "bias"_a.none(), "w_dtype"_a)
+      .def("linear_silu_mul",
+           [](OpHarness& h, F32In x, F32In w) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, h.act());
+             Dev gu = h.empty(xd.t.rows, wdv.t.rows, h.act());
+             Dev o = h.empty(xd.t.rows, wdv.t.rows / 2, h.act());
+             Linear lin;
+             lin.w = wdv.t;
+             h.be().linear_silu_mul(xd.t, lin, gu.t, o.t);
+             return h.down(o.t);
+           }, "x"_a, "gate_up"_a)
       .def("silu_mul",
            [](OpHarness& h, F32In gu) {
              Dev g = h.up(gu, h.act());

@@ -274,8 +274,7 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
     be_.linear(attn, L.o, nullptr, proj);
     comm_.all_reduce_sum(proj);
     be_.add_rms_norm(res, proj, L.post_norm, eps, false, h);
-    be_.linear(h, L.gate_up, nullptr, gu);
-    be_.silu_mul(gu, act);
+    be_.linear_silu_mul(h, L.gate_up, gu, act);
     be_.linear(act, L.down, nullptr, proj);
     comm_.all_reduce_sum(proj);
   }

@@ -19,8 +19,8 @@ namespace {
 constexpr int kRowThreads = 128;
 constexpr int kGMax = 8;       // most query heads per rows-kernel block (GM = 4 or 8)
 constexpr int kMaxSplits = 64;
-// A 4-head variant of the rows kernel for GQA <= 4: compiles, not yet run on a GPU; off until it is.
-constexpr bool kRowsGM4 = false;
+// A 4-head variant of the rows kernel for GQA <= 4 (the 8-wide one would idle half its heads).
+constexpr bool kRowsGM4 = true;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ int find_seq(const int32_t* q_start, int num_seqs, int row) {

@@ -254,6 +254,12 @@ void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
   launch_silu_mul(gate_up, out, stream_);
 }
 
+void CudaBackend::linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
+  // Decode: one gated GEMV (silu_mul in its epilogue); otherwise the composition.
+  if (gate_up.scale.empty() && launch_gemv_silu_mul(x, gate_up.w, out, stream_)) return;
+  Backend::linear_silu_mul(x, gate_up, gate_up_out, out);
+}
+
 void CudaBackend::finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* qn, const Tensor* kn, float eps, bool zc,
                              const int32_t* positions, const RopeTable& table, const AttnBatch& b, KvLayer& cache) {
   set_device();

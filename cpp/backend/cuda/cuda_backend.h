@@ -41,6 +41,7 @@ class CudaBackend final : public Backend {
   void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) override;
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) override;
   void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) override;
   void finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
                   bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,

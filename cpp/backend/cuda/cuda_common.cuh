@@ -100,6 +100,8 @@ void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTa
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
 // Few-row linear (M <= 8, 16-bit x and w, gemv.cu); returns false (nothing launched) when it does not apply.
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, cudaStream_t s);
+// out = silu(x . w[:N]^T) * (x . w[N:]^T), N = out.cols, with launch_gemv's conditions; false when they fail.
+bool launch_gemv_silu_mul(const Tensor& x, const Tensor& w, Tensor& out, cudaStream_t s);
 // Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,

@@ -1,5 +1,7 @@
 // Elementwise and row-wise kernels of the CUDA backend: fp32 math, any float storage dtype.
 #include "backend/cuda/cuda_common.cuh"
+#include <algorithm>
+
 #include "backend/random.h"
 
 namespace qrt::cuda {
@@ -89,6 +91,70 @@ __global__ void rms_norm_kernel(const T* res_in, int64_t rs_in, const T* x, int6
   }
 }
 
+// 16 bytes of T, converted to fp32 on load and rounded back to T on store.
+template <typename T>
+struct Vec16 {
+  static constexpr int N = 16 / int(sizeof(T));
+  float f[N];
+  __device__ __forceinline__ void load(const T* p) {
+    alignas(16) T e[N];
+    *reinterpret_cast<uint4*>(e) = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = to_f(e[k]);
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    alignas(16) T e[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) e[k] = from_f<T>(f[k]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
+  }
+};
+
+bool aligned16(const void* p, int64_t stride_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride_bytes % 16 == 0;
+}
+
+// rms_norm_kernel with 16-byte pieces held in registers (up to V per thread): every load of a row is in
+// flight at once, which is what a one-row (decode) step waits on. Same arithmetic per element.
+template <typename T, int V>
+__global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const T* res_in, int64_t rs_in, const T* x, int64_t xs,
+                                                            const void* w, DType wt, float eps, bool zc, T* res_out,
+                                                            int64_t rs_out, T* out, int64_t os, int64_t n) {
+  constexpr int N = Vec16<T>::N;
+  const int64_t r = blockIdx.x;
+  const int nv = int(n / N);
+  Vec16<T> v[V];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= nv) break;
+    v[j].load(x + r * xs + int64_t(i) * N);
+    if (res_in) {
+      Vec16<T> a;
+      a.load(res_in + r * rs_in + int64_t(i) * N);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[j].f[k] = to_f(from_f<T>(a.f[k] + v[j].f[k]));
+      v[j].store(res_out + r * rs_out + int64_t(i) * N);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += v[j].f[k] * v[j].f[k];
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(n) + eps);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= nv) break;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float wi = load_any(w, wt, int64_t(i) * N + k);
+      v[j].f[k] = v[j].f[k] * inv * (zc ? 1.0f + wi : wi);
+    }
+    v[j].store(out + r * os + int64_t(i) * N);
+  }
+}
+
 // One warp per (row, head), in place.
 template <typename T>
 __global__ void head_rms_norm_kernel(T* x, int64_t xs, int64_t rows, int heads, int hd, const void* w, DType wt,
@@ -139,6 +205,22 @@ __global__ void silu_mul_kernel(const T* gu, int64_t gs, T* out, int64_t os, int
     const float a = to_f(g[i]), b = to_f(g[I + i]);
     o[i] = from_f<T>(a / (1.0f + expf(-a)) * b);
   }
+}
+
+// silu_mul_kernel over 16-byte pieces, one per thread, rows spread over the whole grid.
+template <typename T>
+__global__ void silu_mul_vec_kernel(const T* gu, int64_t gs, T* out, int64_t os, int64_t I, int64_t pieces) {
+  constexpr int N = Vec16<T>::N;
+  const int64_t per_row = I / N;
+  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= pieces) return;
+  const int64_t r = p / per_row, c = (p - r * per_row) * N;
+  Vec16<T> g, u;
+  g.load(gu + r * gs + c);
+  u.load(gu + r * gs + I + c);
+#pragma unroll
+  for (int k = 0; k < N; ++k) g.f[k] = g.f[k] / (1.0f + expf(-g.f[k])) * u.f[k];
+  g.store(out + r * os + c);
 }
 
 template <typename T>
@@ -219,6 +301,20 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
   if (x.rows == 0) return;
   dispatch_act(x.dtype, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
+    constexpr int N = 16 / int(sizeof(T)), V = 4;
+    const int64_t es = int64_t(sizeof(T)), nv = x.cols / N;
+    const bool vec = x.cols % N == 0 && nv <= 1024 * V && aligned16(x.data, x.stride * es) &&
+                     aligned16(out.data, out.stride * es) &&
+                     (!residual_in || aligned16(residual_in->data, residual_in->stride * es)) &&
+                     (!residual || aligned16(residual->data, residual->stride * es));
+    if (vec) {
+      const unsigned threads = unsigned(std::max<int64_t>(32, (ceil_div(nv, V) + 31) / 32 * 32));
+      rms_norm_vec_kernel<T, V><<<unsigned(x.rows), threads, 0, s>>>(
+          residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(),
+          x.stride, w.data, w.dtype, eps, zc, residual ? residual->ptr<T>() : nullptr,
+          residual ? residual->stride : 0, out.ptr<T>(), out.stride, x.cols);
+      return;
+    }
     rms_norm_kernel<T><<<unsigned(x.rows), kThreads, 0, s>>>(
         residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(), x.stride,
         w.data, w.dtype, eps, zc, residual ? residual->ptr<T>() : nullptr, residual ? residual->stride : 0,
@@ -261,6 +357,14 @@ void launch_silu_mul(const Tensor& gu, Tensor& out, cudaStream_t s) {
   if (out.rows == 0) return;
   dispatch_act(gu.dtype, "silu_mul", [&](auto tag) {
     using T = decltype(tag);
+    constexpr int N = 16 / int(sizeof(T));
+    const int64_t es = int64_t(sizeof(T));
+    if (out.cols % N == 0 && aligned16(gu.data, gu.stride * es) && aligned16(out.data, out.stride * es)) {
+      const int64_t pieces = out.rows * (out.cols / N);
+      silu_mul_vec_kernel<T><<<ceil_div(pieces, 256), 256, 0, s>>>(gu.ptr<T>(), gu.stride, out.ptr<T>(), out.stride,
+                                                                    out.cols, pieces);
+      return;
+    }
     silu_mul_kernel<T><<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(gu.ptr<T>(), gu.stride, out.ptr<T>(),
                                                                              out.stride, out.cols);
   });

@@ -1,0 +1,74 @@
+"""Where a decode step's GPU time goes: per-kernel device time of qwen_rt decode steps (dummy weights,
+real config), taken with torch.profiler (CUPTI sees the plugin's kernels too). CUDA graphs are off so
+every kernel is recorded by name; the step time with graphs on is printed beside it.
+
+    python scripts/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import qwen_rt
+
+
+def step_ms(gen, prompts, n):
+    gen.generate(prompts, max_tokens=4, ignore_eos=True, temperature=0)
+    t = time.perf_counter(); gen.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter(); gen.generate(prompts, max_tokens=n, ignore_eos=True, temperature=0)
+    return (time.perf_counter() - t - t1) / (n - 1) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    lines = []
+    for graphs in (True, False):
+        with qwen_rt.Generator(a.model, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
+                               max_batch_size=max(a.batch, 8), max_model_len=a.prompt_len + a.tokens + 16,
+                               cuda_graphs=graphs) as g:
+            V = g.config["vocab_size"]
+            prompts = [rng.integers(10, V - 10, size=a.prompt_len).tolist() for _ in range(a.batch)]
+            ms = step_ms(g, prompts, a.tokens)
+            lines.append(f"{a.model} batch {a.batch}: decode step {ms:.3f} ms with cuda_graphs={graphs}")
+            if graphs:
+                continue
+            g.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                g.generate(prompts, max_tokens=a.tokens + 1, ignore_eos=True, temperature=0)
+                torch.cuda.synchronize()
+    # Per kernel: total device time over the profiled call; the prefill step is a small share of it.
+    rows = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(e.name[:90], [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(v[1] for v in rows.values())
+    lines.append(f"kernel time over {a.tokens} decode steps (+1 prefill): {total / 1e3:.2f} ms, "
+                 f"{total / 1e3 / a.tokens:.3f} ms per step")
+    lines.append(f"{'us/step':>9} {'share':>6} {'calls':>6}  kernel")
+    for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:30]:
+        lines.append(f"{us / a.tokens:9.1f} {us / total:6.1%} {n:6d}  {name}")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
