@@ -111,6 +111,8 @@ struct RowsArgs : AttnArgs {
 
 template <typename T, int D, int GM>
 __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a) {
+  grid_release();
+  grid_wait();
   constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
   constexpr int CPR = D * int(sizeof(T)) / 16;  // 16-byte chunks per K/V row
   constexpr int EPC = 16 / int(sizeof(T));      // elements per chunk
@@ -327,6 +329,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
 template <typename T>
 __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_heads, int nsplit, int D, T* out,
                                     int64_t out_stride) {
+  grid_release();
+  grid_wait();
   const int row = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
   const size_t base = size_t(row) * q_heads + h;
   const float* ml = part + size_t(num_tokens) * q_heads * nsplit * D + base * nsplit * 2;
@@ -648,17 +652,17 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     constexpr size_t smem = rows_smem_bytes<T, D, 4>();
     check(cudaFuncSetAttribute(attn_rows_kernel<T, D, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "attention (smem attribute)");
-    attn_rows_kernel<T, D, 4><<<grid, kRowThreads, smem, st>>>(a);
+    launch_chained(attn_rows_kernel<T, D, 4>, grid, kRowThreads, smem, st, a);
   } else {
     constexpr size_t smem = rows_smem_bytes<T, D, kGMax>();
     check(cudaFuncSetAttribute(attn_rows_kernel<T, D, kGMax>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "attention (smem attribute)");
-    attn_rows_kernel<T, D, kGMax><<<grid, kRowThreads, smem, st>>>(a);
+    launch_chained(attn_rows_kernel<T, D, kGMax>, grid, kRowThreads, smem, st, a);
   }
   check_launch("attention (rows)");
   if (nsplit > 1) {
-    attn_combine_kernel<T><<<unsigned(b.num_tokens * sh.q_heads), D, 0, st>>>(
-        ws.partial, b.num_tokens, sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
+    launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial, b.num_tokens,
+                   sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
     check_launch("attention (combine)");
   }
 }

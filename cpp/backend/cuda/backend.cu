@@ -3,9 +3,27 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace qrt::cuda {
+
+bool chained_launch_supported() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("QWEN_RT_PDL");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  thread_local int dev = -1;
+  thread_local bool ok = false;
+  int cur = 0;
+  if (!allowed || cudaGetDevice(&cur) != cudaSuccess) return false;
+  if (cur != dev) {
+    int major = 0;
+    ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cur) == cudaSuccess && major >= 9;
+    dev = cur;
+  }
+  return ok;
+}
 
 void CudaBackend::set_device() const { check(cudaSetDevice(dev_), "cudaSetDevice"); }
 

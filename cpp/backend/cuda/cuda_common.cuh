@@ -38,6 +38,40 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// ---- chained launches (programmatic dependent launch, sm_90+) ---------------------------------
+// A kernel started with launch_chained may begin while the kernel before it on the stream is still
+// finishing. It calls grid_release() first (so the kernel after it can be scheduled early), may read
+// what no earlier kernel writes (weights), and calls grid_wait() before it touches anything earlier
+// work writes or reads. Without sm_90 (or with QWEN_RT_PDL=0) it is an ordinary launch.
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Whether the calling thread's current device takes chained launches (queried once per thread: a
+// rank's thread stays on its device).
+bool chained_launch_supported();
+
+template <typename... KArgs, typename... Args>
+void launch_chained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = chained_launch_supported() ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), "kernel launch");
+}
+
 // ---- element conversions ---------------------------------------------------------------------
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }

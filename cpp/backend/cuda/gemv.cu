@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
                                                    int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N, int64_t K,
                                                    const void* bias, DType bias_t) {
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
+  grid_release();
   const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (n >= N) return;
   const int lane = threadIdx.x & 31;
@@ -53,31 +54,45 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
-  int64_t c = lane;
-  for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
-    uint4 wv[R][U];
+  // Two register sets: the next pieces load while the current ones are multiplied. The first set is
+  // loaded before grid_wait (weights are never written), overlapping the previous kernel's tail.
+  uint4 wa[R][U], wb[R][U];
+  auto load_w = [&](uint4 (&dst)[R][U], int64_t c0) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int u = 0; u < U; ++u) wv[r][u] = __ldg(wr[r] + c + 32 * u);
+      for (int u = 0; u < U; ++u) dst[r][u] = __ldg(wr[r] + c0 + 32 * u);
+  };
+  int64_t c = lane;
+  auto full = [&](int64_t c0) { return c0 + 32 * (U - 1) < chunks; };
+  auto step = [&](const uint4 (&cur)[R][U], uint4 (&next)[R][U]) {
+    if (full(c + 32 * U)) load_w(next, c + 32 * U);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + c + 32 * u);
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wv[r][u]);
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, cur[r][u]);
       }
+    c += 32 * U;
+  };
+  if (full(c)) load_w(wa, c);
+  grid_wait();
+  while (full(c)) {
+    step(wa, wb);
+    if (!full(c)) break;
+    step(wb, wa);
   }
   for (; c < chunks; c += 32) {
-    uint4 wv[R];
+    uint4 wt[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) wv[r] = __ldg(wr[r] + c);
+    for (int r = 0; r < R; ++r) wt[r] = __ldg(wr[r] + c);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + c);
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wv[r]);
+      for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wt[r]);
     }
   }
   const float b = bias ? load_any(bias, bias_t, n) : 0.f;
@@ -100,8 +115,8 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
   auto go = [&](auto kernel) {
-    kernel<<<blocks, 256, 0, s>>>(x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(), out.stride, N, w.cols,
-                                   bp, bt);
+    launch_chained(kernel, blocks, 256, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(), out.stride,
+                   N, w.cols, bp, bt);
   };
   switch (M) {
     case 1: go(gemv_kernel<T, O, 1, GATED>); break;

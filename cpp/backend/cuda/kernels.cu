@@ -34,6 +34,8 @@ __global__ void convert_kernel(const void* src, DType st, int64_t ss, void* dst,
 
 __global__ void embedding_kernel(const int32_t* ids, const void* table, DType tt, int64_t ts, int64_t trows,
                                  void* out, DType ot, int64_t os, int64_t cols) {
+  grid_release();
+  grid_wait();
   const int64_t r = blockIdx.x;
   const int64_t id = ids[r];
   const bool ok = id >= 0 && id < trows;
@@ -121,6 +123,8 @@ __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const T* res_in, int
                                                             const void* w, DType wt, float eps, bool zc, T* res_out,
                                                             int64_t rs_out, T* out, int64_t os, int64_t n) {
   constexpr int N = Vec16<T>::N;
+  grid_release();
+  grid_wait();
   const int64_t r = blockIdx.x;
   const int nv = int(n / N);
   Vec16<T> v[V];
@@ -211,6 +215,8 @@ __global__ void silu_mul_kernel(const T* gu, int64_t gs, T* out, int64_t os, int
 template <typename T>
 __global__ void silu_mul_vec_kernel(const T* gu, int64_t gs, T* out, int64_t os, int64_t I, int64_t pieces) {
   constexpr int N = Vec16<T>::N;
+  grid_release();
+  grid_wait();
   const int64_t per_row = I / N;
   const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p >= pieces) return;
@@ -239,6 +245,8 @@ __global__ void add_bias_kernel(void* out, DType ot, int64_t os, const void* bia
 template <typename U>
 __global__ void copy_rows_kernel(const U* src, int64_t ss, const int32_t* src_rows, U* dst, int64_t ds,
                                  const int32_t* dst_rows, int64_t units) {
+  grid_release();
+  grid_wait();
   const int64_t i = blockIdx.x;
   const int64_t sr = src_rows ? src_rows[i] : i;
   const int64_t dr = dst_rows ? dst_rows[i] : i;
@@ -285,9 +293,8 @@ void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s) {
 void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s) {
   QRT_CHECK(table.cols == out.cols, "cuda embedding: table has ", table.cols, " columns, out ", out.cols);
   if (out.rows == 0) return;
-  embedding_kernel<<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(ids, table.data, table.dtype, table.stride,
-                                                                         table.rows, out.data, out.dtype, out.stride,
-                                                                         out.cols);
+  launch_chained(embedding_kernel, unsigned(out.rows), threads_for(out.cols), 0, s, ids, table.data, table.dtype,
+                 table.stride, table.rows, out.data, out.dtype, out.stride, out.cols);
   check_launch("embedding");
 }
 
@@ -309,8 +316,8 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
                      (!residual || aligned16(residual->data, residual->stride * es));
     if (vec) {
       const unsigned threads = unsigned(std::max<int64_t>(32, (ceil_div(nv, V) + 31) / 32 * 32));
-      rms_norm_vec_kernel<T, V><<<unsigned(x.rows), threads, 0, s>>>(
-          residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(),
+      launch_chained(
+          rms_norm_vec_kernel<T, V>, unsigned(x.rows), threads, 0, s, residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(),
           x.stride, w.data, w.dtype, eps, zc, residual ? residual->ptr<T>() : nullptr,
           residual ? residual->stride : 0, out.ptr<T>(), out.stride, x.cols);
       return;
@@ -361,8 +368,8 @@ void launch_silu_mul(const Tensor& gu, Tensor& out, cudaStream_t s) {
     const int64_t es = int64_t(sizeof(T));
     if (out.cols % N == 0 && aligned16(gu.data, gu.stride * es) && aligned16(out.data, out.stride * es)) {
       const int64_t pieces = out.rows * (out.cols / N);
-      silu_mul_vec_kernel<T><<<ceil_div(pieces, 256), 256, 0, s>>>(gu.ptr<T>(), gu.stride, out.ptr<T>(), out.stride,
-                                                                    out.cols, pieces);
+      launch_chained(silu_mul_vec_kernel<T>, ceil_div(pieces, 256), 256, 0, s, gu.ptr<T>(), gu.stride, out.ptr<T>(),
+                     out.stride, out.cols, pieces);
       return;
     }
     silu_mul_kernel<T><<<unsigned(out.rows), threads_for(out.cols), 0, s>>>(gu.ptr<T>(), gu.stride, out.ptr<T>(),
@@ -404,8 +411,8 @@ void launch_copy_rows(const void* src, DType st, int64_t src_stride, const int32
   auto go = [&](auto unit) {
     using U = decltype(unit);
     const int64_t k = int64_t(sizeof(U));
-    copy_rows_kernel<U><<<unsigned(n), threads_for(row_elems * es / k), 0, s>>>(
-        static_cast<const U*>(src), src_stride * es / k, src_rows, static_cast<U*>(dst), dst_stride * es / k,
+    launch_chained(
+        copy_rows_kernel<U>, unsigned(n), threads_for(row_elems * es / k), 0, s, static_cast<const U*>(src), src_stride * es / k, src_rows, static_cast<U*>(dst), dst_stride * es / k,
         dst_rows, row_elems * es / k);
   };
   if (mix % 16 == 0) go(uint4{});
@@ -428,6 +435,8 @@ template <typename T, int NJ, int HJ>  // NJ = head_dim / 32, HJ = rot_dim / 64 
 __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int hkv, const void* qw, const void* kw,
                                   DType nt, float eps, bool zc, const int32_t* positions, const float* cs_tab,
                                   int rot_dim, int max_pos, const int32_t* kv_rows, T* kc, T* vc) {
+  grid_release();
+  grid_wait();
   constexpr int D = NJ * 32;
   (void)rot_dim;  // HJ * 64, known at compile time
   const int heads = hq + 2 * hkv;
@@ -500,7 +509,7 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
   dispatch_act(qkv.dtype, "finish_qkv", [&](auto tag) {
     using T = decltype(tag);
     auto go = [&](auto kernel) {
-      kernel<<<ceil_div(tasks, 8), 256, 0, s>>>(qkv.ptr<T>(), qkv.stride, qkv.rows, sh.q_heads, sh.kv_heads,
+      launch_chained(kernel, ceil_div(tasks, 8), 256, 0, s, qkv.ptr<T>(), qkv.stride, qkv.rows, sh.q_heads, sh.kv_heads,
                                                  qn ? qn->data : nullptr, kn ? kn->data : nullptr, nt, eps, zc,
                                                  positions, tab.cos_sin, tab.rot_dim, tab.max_positions, b.kv_rows,
                                                  static_cast<T*>(cache.k), static_cast<T*>(cache.v));

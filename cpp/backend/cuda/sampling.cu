@@ -74,6 +74,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
                                                            const SampleParamsDev* params, const int32_t* lists,
                                                            float* scratch, int max_n, int32_t* tok_out,
                                                            float* lp_out, int32_t* top_ids, float* top_lps) {
+  grid_release();
+  grid_wait();
   const int r = blockIdx.x, tid = threadIdx.x;
   const SampleParamsDev p = params[r];
   const float* raw = logits + int64_t(r) * stride;
@@ -264,8 +266,8 @@ void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t str
                    const int32_t* lists, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
                    int32_t* top_ids, float* top_lps, cudaStream_t s) {
   if (rows == 0) return;
-  sample_kernel<<<unsigned(rows), kThreads, 0, s>>>(logits, int(vocab), stride, params, lists, scratch, max_n,
-                                                     tok_out, lp_out, top_ids, top_lps);
+  launch_chained(sample_kernel, unsigned(rows), kThreads, 0, s, logits, int(vocab), stride, params, lists, scratch,
+                 max_n, tok_out, lp_out, top_ids, top_lps);
   check_launch("sample");
 }
 
