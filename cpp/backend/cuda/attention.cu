@@ -9,6 +9,8 @@
 // captured graph stays valid while the real lengths stay within the maxima it was captured with.
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -682,6 +684,20 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   check_launch("attention (tile)");
 }
 
+// Decode steps go to the tile kernel once its blocks (one per sequence and kv head) fill the GPU;
+// smaller batches take the rows kernel, which splits the keys. QWEN_RT_DECODE_ATTENTION=rows|tiles
+// forces one of them (for measurements).
+bool decode_on_tiles(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  static const int forced = [] {
+    const char* e = std::getenv("QWEN_RT_DECODE_ATTENTION");
+    if (e && std::strcmp(e, "rows") == 0) return 0;
+    if (e && std::strcmp(e, "tiles") == 0) return 1;
+    return -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  return int64_t(b.num_seqs) * sh.kv_heads >= num_sms;
+}
+
 template <typename T>
 void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
                const AttnWorkspace& ws, int num_sms, cudaStream_t st) {
@@ -689,7 +705,8 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   const int es = int(sizeof(T));
   const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
                         uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
-  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM / 2 && aligned;
+  const bool tile = sizeof(T) == 2 && (b.max_q_len > 1 || decode_on_tiles(b, sh, num_sms)) &&
+                    group <= TileCfg<64>::BM / 2 && aligned;
   if (tile) {
     if constexpr (sizeof(T) == 2) {
       switch (sh.head_dim) {

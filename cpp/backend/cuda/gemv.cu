@@ -54,35 +54,30 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
-  // Two register sets: the next pieces load while the current ones are multiplied. The first set is
-  // loaded before grid_wait (weights are never written), overlapping the previous kernel's tail.
-  uint4 wa[R][U], wb[R][U];
-  auto load_w = [&](uint4 (&dst)[R][U], int64_t c0) {
+  // The first pieces load before grid_wait (weights are never written), overlapping the previous
+  // kernel's tail; then each iteration multiplies its pieces and loads the next.
+  uint4 wv[R][U];
+  auto load_w = [&](int64_t c0) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int u = 0; u < U; ++u) dst[r][u] = __ldg(wr[r] + c0 + 32 * u);
+      for (int u = 0; u < U; ++u) wv[r][u] = __ldg(wr[r] + c0 + 32 * u);
   };
-  int64_t c = lane;
   auto full = [&](int64_t c0) { return c0 + 32 * (U - 1) < chunks; };
-  auto step = [&](const uint4 (&cur)[R][U], uint4 (&next)[R][U]) {
-    if (full(c + 32 * U)) load_w(next, c + 32 * U);
+  int64_t c = lane;
+  if (full(c)) load_w(c);
+  grid_wait();
+  while (full(c)) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + c + 32 * u);
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, cur[r][u]);
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wv[r][u]);
       }
     c += 32 * U;
-  };
-  if (full(c)) load_w(wa, c);
-  grid_wait();
-  while (full(c)) {
-    step(wa, wb);
-    if (!full(c)) break;
-    step(wb, wa);
+    if (full(c)) load_w(c);
   }
   for (; c < chunks; c += 32) {
     uint4 wt[R];
