@@ -354,10 +354,9 @@ __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_hea
 // ================================================================================================
 // Tile kernel (tensor cores)
 // ================================================================================================
-template <int D> struct TileCfg {
-  // (token, head) rows per block, 16 per warp. 128 (8 warps) compiles and should be faster for long
-  // prefill but has not been run on a GPU yet; 64 is the verified setting.
-  static constexpr int BM = 64;
+template <int D, int BM_ = 64> struct TileCfg {
+  // (token, head) rows per block, 16 per warp: 64 (4 warps) or 128 (8 warps, QWEN_RT_TILE_ROWS=128).
+  static constexpr int BM = BM_;
   static constexpr int kThreads = BM * 2;
   static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile
   static constexpr int LD = D + 8;                // smem row pitch in elements (16-byte pad)
@@ -407,9 +406,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(TileCfg<D>::kThreads) attn_tile_kernel(const TileArgs a) {
-  constexpr int BM = TileCfg<D>::BM, BN = TileCfg<D>::BN, LD = TileCfg<D>::LD;
+template <typename T, int D, int BM>
+__global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(const TileArgs a) {
+  using Cfg = TileCfg<D, BM>;
+  constexpr int BN = Cfg::BN, LD = Cfg::LD;
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int NT = BN / 8;  // n-tiles of S
   constexpr int ND = D / 8;   // n-tiles of O
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(TileCfg<D>::kThreads) attn_tile_kernel(const T
   const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
 
   // Q rows: r -> (token t0 + r / G, head kvh * G + r % G).
-  for (int c = tid; c < BM * CPR; c += TileCfg<D>::kThreads) {
+  for (int c = tid; c < BM * CPR; c += Cfg::kThreads) {
     const int r = c / CPR, part = c - r * CPR;
     const bool ok = r < rows_valid;
     const T* src = static_cast<const T*>(a.q);
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(TileCfg<D>::kThreads) attn_tile_kernel(const T
   auto issue = [&](int j, int stage) {
     T* ks = KVs + stage * 2 * BN * LD;
     T* vs = ks + BN * LD;
-    for (int c = tid; c < BN * CPR; c += TileCfg<D>::kThreads) {
+    for (int c = tid; c < BN * CPR; c += Cfg::kThreads) {
       const int t = c / CPR, part = c - t * CPR;
       const int key = j * BN + t;
       const bool ok = key < n_keys;
@@ -669,33 +669,30 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   }
 }
 
-template <typename T, int D>
-void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-              cudaStream_t st) {
+template <typename T, int D, int BM>
+void run_tile_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                   cudaStream_t st) {
+  using Cfg = TileCfg<D, BM>;
   TileArgs a;
   attn_args(a, q, cache, b, sh, out);
-  a.tokens_per_tile = TileCfg<D>::BM / a.group;
-  constexpr size_t smem = TileCfg<D>::smem;
-  check(cudaFuncSetAttribute(attn_tile_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+  a.tokens_per_tile = BM / a.group;
+  check(cudaFuncSetAttribute(attn_tile_kernel<T, D, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::smem)),
         "attention (smem attribute)");
   const int tiles = (std::max(b.max_q_len, 1) + a.tokens_per_tile - 1) / a.tokens_per_tile;
   dim3 grid(unsigned(tiles), unsigned(sh.kv_heads), unsigned(b.num_seqs));
-  attn_tile_kernel<T, D><<<grid, TileCfg<D>::kThreads, smem, st>>>(a);
+  attn_tile_kernel<T, D, BM><<<grid, Cfg::kThreads, Cfg::smem, st>>>(a);
   check_launch("attention (tile)");
 }
 
-// Decode steps go to the tile kernel once its blocks (one per sequence and kv head) fill the GPU;
-// smaller batches take the rows kernel, which splits the keys. QWEN_RT_DECODE_ATTENTION=rows|tiles
-// forces one of them (for measurements).
-bool decode_on_tiles(const AttnBatch& b, const AttnShape& sh, int num_sms) {
-  static const int forced = [] {
-    const char* e = std::getenv("QWEN_RT_DECODE_ATTENTION");
-    if (e && std::strcmp(e, "rows") == 0) return 0;
-    if (e && std::strcmp(e, "tiles") == 0) return 1;
-    return -1;
+template <typename T, int D>
+void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+              cudaStream_t st) {
+  static const bool wide = [] {
+    const char* e = std::getenv("QWEN_RT_TILE_ROWS");
+    return e && std::strcmp(e, "128") == 0;
   }();
-  if (forced >= 0) return forced == 1;
-  return int64_t(b.num_seqs) * sh.kv_heads >= num_sms;
+  if (wide) run_tile_rows<T, D, 128>(q, cache, b, sh, out, st);
+  else run_tile_rows<T, D, 64>(q, cache, b, sh, out, st);
 }
 
 template <typename T>
@@ -705,8 +702,7 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   const int es = int(sizeof(T));
   const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
                         uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
-  const bool tile = sizeof(T) == 2 && (b.max_q_len > 1 || decode_on_tiles(b, sh, num_sms)) &&
-                    group <= TileCfg<64>::BM / 2 && aligned;
+  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM / 2 && aligned;
   if (tile) {
     if constexpr (sizeof(T) == 2) {
       switch (sh.head_dim) {

@@ -42,7 +42,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // A kernel started with launch_chained may begin while the kernel before it on the stream is still
 // finishing. It calls grid_release() first (so the kernel after it can be scheduled early), may read
 // what no earlier kernel writes (weights), and calls grid_wait() before it touches anything earlier
-// work writes or reads. Without sm_90 (or with QWEN_RT_PDL=0) it is an ordinary launch.
+// work writes or reads. It is an ordinary launch unless QWEN_RT_PDL=1 on sm_90+: measured on the H200,
+// chaining did not shorten decode steps (docs/PERFORMANCE.md).
 __device__ __forceinline__ void grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
