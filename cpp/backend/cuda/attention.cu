@@ -24,6 +24,7 @@ constexpr int kMaxSplits = 64;
 // A 4-head variant of the rows kernel for GQA <= 4 (the 8-wide one would idle half its heads).
 constexpr bool kRowsGM4 = true;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kTileMaxGroup = 32;  // GQA groups the tile kernel takes: two or more tokens per 64-row block
 
 __device__ __forceinline__ int find_seq(const int32_t* q_start, int num_seqs, int row) {
   int lo = 0, hi = num_seqs - 1;  // largest s with q_start[s] <= row
@@ -354,7 +355,7 @@ __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_hea
 // ================================================================================================
 // Tile kernel (tensor cores)
 // ================================================================================================
-template <int D, int BM_ = 64> struct TileCfg {
+template <int D, int BM_> struct TileCfg {
   // (token, head) rows per block, 16 per warp: 128 (8 warps; 8k prefill 0.63 MFU on the H200 against
   // 0.56 with 64) or 64 (4 warps, QWEN_RT_TILE_ROWS=64).
   static constexpr int BM = BM_;
@@ -703,7 +704,7 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   const int es = int(sizeof(T));
   const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
                         uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
-  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= TileCfg<64>::BM / 2 && aligned;
+  const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= kTileMaxGroup && aligned;
   if (tile) {
     if constexpr (sizeof(T) == 2) {
       switch (sh.head_dim) {

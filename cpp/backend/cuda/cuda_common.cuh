@@ -25,6 +25,10 @@ inline void check(cudaError_t e, const char* op) {
 inline void check_launch(const char* op) { check(cudaGetLastError(), op); }
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+// Rows starting at p, stride_bytes apart, can be read in 16-byte pieces.
+inline bool aligned16(const void* p, int64_t stride_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride_bytes % 16 == 0;
+}
 
 // ---- warp reductions (all 32 lanes must call) ------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

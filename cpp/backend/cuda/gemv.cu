@@ -128,11 +128,8 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
 bool gemv_applies(const Tensor& x, const Tensor& w, const Tensor& out) {
   const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
   const bool out_ok = out.dtype == x.dtype || out.dtype == DType::F32;
-  auto aligned = [](const void* p, int64_t stride_elems) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (stride_elems * 2) % 16 == 0;
-  };
-  return sixteen && out_ok && x.rows >= 1 && x.rows <= 8 && w.cols % 8 == 0 && aligned(x.data, x.stride) &&
-         aligned(w.data, w.stride);
+  return sixteen && out_ok && x.rows >= 1 && x.rows <= 8 && w.cols % 8 == 0 && aligned16(x.data, x.stride * 2) &&
+         aligned16(w.data, w.stride * 2);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Elementwise and row-wise kernels of the CUDA backend: fp32 math, any float storage dtype.
-#include "backend/cuda/cuda_common.cuh"
 #include <algorithm>
 
+#include "backend/cuda/cuda_common.cuh"
 #include "backend/random.h"
 
 namespace qrt::cuda {
@@ -111,10 +111,6 @@ struct Vec16 {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
   }
 };
-
-bool aligned16(const void* p, int64_t stride_bytes) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride_bytes % 16 == 0;
-}
 
 // rms_norm_kernel with 16-byte pieces held in registers (up to V per thread): every load of a row is in
 // flight at once, which is what a one-row (decode) step waits on. Same arithmetic per element.
