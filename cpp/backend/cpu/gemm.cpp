@@ -2,13 +2,14 @@
 // bf16 weights on CPUs with AVX512-BF16 take bf16 x bf16 products with fp32 accumulation (x rounded to
 // bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
-// then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance).
+// then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance). Without
+// AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane registers and tiles are smaller (16 registers).
 #include <omp.h>
 
 #include <algorithm>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -119,6 +120,85 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr bool kAvx2Tiles = true;
+
+// Eight elements of a weight row as fp32.
+template <DType WT> inline __m256 load_w8(const void* base, int64_t i);
+template <> inline __m256 load_w8<DType::F32>(const void* base, int64_t i) {
+  return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+template <> inline __m256 load_w8<DType::BF16>(const void* base, int64_t i) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <> inline __m256 load_w8<DType::F16>(const void* base, int64_t i) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+}
+
+// lane_sum of the 16 lanes lo | hi, in the same pairwise order.
+inline float lane_sum(__m256 lo, __m256 hi) {
+  const __m256 s = _mm256_add_ps(lo, hi);                                          // a[i] += a[i + 8]
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // a[i] += a[i + 4]
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                          // a[i] += a[i + 2]
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));                                           // a[0] += a[1]
+  return _mm_cvtss_f32(q);
+}
+
+// tile() with each 16-lane accumulator held as two 8-lane halves (lanes 0-7 and 8-15), updated by fused
+// multiply-adds in K order.
+template <DType WT, int mr, int nr>
+void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
+  __m256 acc[2][mr][nr];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < nr; ++j) acc[h][i][j] = _mm256_setzero_ps();
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 wv[nr];
+#pragma GCC unroll 8
+      for (int j = 0; j < nr; ++j) wv[j] = load_w8<WT>(w + j * ldw_bytes, k + 8 * h);
+#pragma GCC unroll 8
+      for (int i = 0; i < mr; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k + 8 * h);
+#pragma GCC unroll 8
+        for (int j = 0; j < nr; ++j) acc[h][i][j] = _mm256_fmadd_ps(xv, wv[j], acc[h][i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) {
+      float tail = 0.f;
+      for (int64_t k = kv; k < K; ++k) tail += x[i * ldx + k] * load_w1<WT>(w + j * ldw_bytes, k);
+      res[i][j] = lane_sum(acc[0][i][j], acc[1][i][j]) + tail;
+    }
+}
+
+// Tiles: 1 x 4 (decode), 2 x 2, 3 x 2: at most six accumulator pairs and their operands in 16 registers.
+template <DType WT, int mr>
+void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
+  if constexpr (mr == 1) {
+    switch (nr) {
+      case 4: tile_avx2<WT, 1, 4>(x, ldx, w, ldw, K, res); break;
+      case 3: tile_avx2<WT, 1, 3>(x, ldx, w, ldw, K, res); break;
+      case 2: tile_avx2<WT, 1, 2>(x, ldx, w, ldw, K, res); break;
+      default: tile_avx2<WT, 1, 1>(x, ldx, w, ldw, K, res); break;
+    }
+  } else if constexpr (mr <= 3) {
+    if (nr >= 2) tile_avx2<WT, mr, 2>(x, ldx, w, ldw, K, res);
+    else tile_avx2<WT, mr, 1>(x, ldx, w, ldw, K, res);
+  } else {
+    tile<WT, mr, 1>(x, ldx, w, ldw, K, res);  // not planned (tile heights stay <= 3)
+  }
+}
+#else
+constexpr bool kAvx2Tiles = false;
+
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
   if constexpr (mr > 4) {  // 8 x 2 at most: 16 accumulators
@@ -133,6 +213,8 @@ void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int
     }
   }
 }
+
+#endif
 
 // Exact conversion of one weight row to fp32.
 template <DType WT>
@@ -161,8 +243,12 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
   const bool widen = WT != DType::F32 && M >= 16;
-  const int64_t tm = (M > 4 && M < 16) ? 8 : MR;
-  const int64_t tn = tm > 4 ? 2 : NR;
+  int64_t tm = (M > 4 && M < 16) ? 8 : MR;
+  int64_t tn = tm > 4 ? 2 : NR;
+  if (kAvx2Tiles) {
+    tm = std::min<int64_t>(M, 3);
+    tn = tm == 1 ? 4 : 2;
+  }
   const float* xp = x.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
