@@ -7,21 +7,13 @@ every kernel is recorded by name; the step time with graphs on is printed beside
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import qwen_rt
-
-
-def step_ms(gen, prompts, n):
-    gen.generate(prompts, max_tokens=4, ignore_eos=True, temperature=0)
-    t = time.perf_counter(); gen.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
-    t1 = time.perf_counter() - t
-    t = time.perf_counter(); gen.generate(prompts, max_tokens=n, ignore_eos=True, temperature=0)
-    return (time.perf_counter() - t - t1) / (n - 1) * 1e3
+from qwen_rt.bench_gpu import decode_step
 
 
 def main():
@@ -40,7 +32,7 @@ def main():
                                cuda_graphs=graphs) as g:
             V = g.config["vocab_size"]
             prompts = [rng.integers(10, V - 10, size=a.prompt_len).tolist() for _ in range(a.batch)]
-            ms = step_ms(g, prompts, a.tokens)
+            ms = decode_step(g, prompts, a.tokens)[0] * 1e3
             lines.append(f"{a.model} batch {a.batch}: decode step {ms:.3f} ms with cuda_graphs={graphs}")
             if graphs:
                 continue

@@ -109,6 +109,17 @@ def _prompts(rng, n, length, vocab):
     return [rng.integers(10, vocab - 10, size=length).tolist() for _ in range(n)]
 
 
+def decode_step(g, prompts, new_tokens: int) -> tuple[float, float]:
+    """(seconds per decode step, seconds of the whole call): the time of new_tokens tokens less the time of
+    one (the prefill), over new_tokens - 1 steps, after a warm-up that captures the graphs of this batch."""
+    g.generate(prompts, max_tokens=4, ignore_eos=True, temperature=0)
+    t = time.perf_counter(); g.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter(); g.generate(prompts, max_tokens=new_tokens, ignore_eos=True, temperature=0)
+    tn = time.perf_counter() - t
+    return (tn - t1) / (new_tokens - 1), tn
+
+
 def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: dict, rng) -> list[dict]:
     rows = []
     g = _gen(model, max_batch_size=max(batches), max_model_len=prompt_len + new_tokens + 16,
@@ -117,12 +128,7 @@ def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: 
     try:
         for b in batches:
             ps = _prompts(rng, b, prompt_len, cfg["vocab_size"])
-            g.generate(ps, max_tokens=4, ignore_eos=True, temperature=0)  # warm-up: graphs for this bucket
-            t = time.perf_counter(); g.generate(ps, max_tokens=1, ignore_eos=True, temperature=0)
-            t1 = time.perf_counter() - t
-            t = time.perf_counter(); g.generate(ps, max_tokens=new_tokens, ignore_eos=True, temperature=0)
-            tn = time.perf_counter() - t
-            step = (tn - t1) / (new_tokens - 1)
+            step, tn = decode_step(g, ps, new_tokens)
             ctx = prompt_len + new_tokens / 2
             mbu = step_bytes(cfg, b, ctx) / TP / step / limits["copy_bw"]  # each GPU reads its share
             rows.append({"model": model, "tp": TP, "batch": b, "step_ms": round(step * 1e3, 3),
