@@ -3,7 +3,7 @@
 // bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
 // then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance). Without
-// AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane registers and tiles are smaller (16 registers).
+// AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane halves accumulated in two passes (16 registers).
 #include <omp.h>
 
 #include <algorithm>
@@ -145,55 +145,55 @@ inline float lane_sum(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(q);
 }
 
-// tile() with each 16-lane accumulator held as two 8-lane halves (lanes 0-7 and 8-15), updated by fused
-// multiply-adds in K order.
+// tile() with each 16-lane accumulator held as two 8-lane halves: lanes 0-7 take the elements k with
+// k % 16 < 8, lanes 8-15 the others, each in K order through fused multiply-adds. The halves are two
+// passes over the tile's rows (the second from cache), so only mr x nr accumulators are live at a time.
 template <DType WT, int mr, int nr>
 void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
-  __m256 acc[2][mr][nr];
+  const int64_t kv = K / kLanes * kLanes;
+  float part[2][mr][nr][8];
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[mr][nr];
 #pragma GCC unroll 8
     for (int i = 0; i < mr; ++i)
 #pragma GCC unroll 8
-      for (int j = 0; j < nr; ++j) acc[h][i][j] = _mm256_setzero_ps();
-  const int64_t kv = K / kLanes * kLanes;
-  for (int64_t k = 0; k < kv; k += kLanes) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 8 * h; k < kv; k += kLanes) {
       __m256 wv[nr];
 #pragma GCC unroll 8
-      for (int j = 0; j < nr; ++j) wv[j] = load_w8<WT>(w + j * ldw_bytes, k + 8 * h);
+      for (int j = 0; j < nr; ++j) wv[j] = load_w8<WT>(w + j * ldw_bytes, k);
 #pragma GCC unroll 8
       for (int i = 0; i < mr; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k + 8 * h);
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
 #pragma GCC unroll 8
-        for (int j = 0; j < nr; ++j) acc[h][i][j] = _mm256_fmadd_ps(xv, wv[j], acc[h][i][j]);
+        for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
       }
     }
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part[h][i][j], acc[i][j]);
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float tail = 0.f;
       for (int64_t k = kv; k < K; ++k) tail += x[i * ldx + k] * load_w1<WT>(w + j * ldw_bytes, k);
-      res[i][j] = lane_sum(acc[0][i][j], acc[1][i][j]) + tail;
+      res[i][j] = lane_sum(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
     }
 }
 
-// Tiles: 1 x 4 (decode), 2 x 2, 3 x 2: at most six accumulator pairs and their operands in 16 registers.
+// Tiles: 1 x 4 (decode), 2 x 4, 3 x 3 and 4 x 3: at most 12 accumulators and their operands in 16 registers.
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
-  if constexpr (mr == 1) {
-    switch (nr) {
-      case 4: tile_avx2<WT, 1, 4>(x, ldx, w, ldw, K, res); break;
-      case 3: tile_avx2<WT, 1, 3>(x, ldx, w, ldw, K, res); break;
-      case 2: tile_avx2<WT, 1, 2>(x, ldx, w, ldw, K, res); break;
-      default: tile_avx2<WT, 1, 1>(x, ldx, w, ldw, K, res); break;
-    }
-  } else if constexpr (mr <= 3) {
-    if (nr >= 2) tile_avx2<WT, mr, 2>(x, ldx, w, ldw, K, res);
+  constexpr int cap = mr <= 2 ? 4 : 3;
+  if constexpr (mr <= 4) {
+    if (nr >= cap) tile_avx2<WT, mr, cap>(x, ldx, w, ldw, K, res);
+    else if (nr == 3) tile_avx2<WT, mr, 3>(x, ldx, w, ldw, K, res);
+    else if (nr == 2) tile_avx2<WT, mr, 2>(x, ldx, w, ldw, K, res);
     else tile_avx2<WT, mr, 1>(x, ldx, w, ldw, K, res);
   } else {
-    tile<WT, mr, 1>(x, ldx, w, ldw, K, res);  // not planned (tile heights stay <= 3)
+    tile<WT, mr, 1>(x, ldx, w, ldw, K, res);  // not planned (tile heights stay <= 4)
   }
 }
 #else
@@ -246,8 +246,8 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   int64_t tm = (M > 4 && M < 16) ? 8 : MR;
   int64_t tn = tm > 4 ? 2 : NR;
   if (kAvx2Tiles) {
-    tm = std::min<int64_t>(M, 3);
-    tn = tm == 1 ? 4 : 2;
+    tm = std::min<int64_t>(M, 4);
+    tn = tm <= 2 ? 4 : 3;
   }
   const float* xp = x.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
