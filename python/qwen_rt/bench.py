@@ -54,6 +54,10 @@ def _print_table(rows, file=None, columns=None):
 
 
 def _git_commit() -> str | None:
+    """The measured code's commit: QWEN_RT_COMMIT when set (an installed copy or a device machine's tree
+    may not know it), else the git checkout the package runs from."""
+    if os.environ.get("QWEN_RT_COMMIT"):
+        return os.environ["QWEN_RT_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -284,6 +284,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import numpy as np
+    from qwen_rt.bench import _git_commit
     from qwen_rt.cli import print_table
     rng = np.random.default_rng(args.seed)
     global TP
@@ -293,7 +294,7 @@ def run(args) -> int:
     log(f"measured: copy {limits['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     torch = _torch()
     rec = {"device": torch.cuda.get_device_name(0), "limits": limits, "date": time.strftime("%Y-%m-%d"),
-           "commit": os.environ.get("QWEN_RT_COMMIT")}
+           "commit": _git_commit()}
     batches = [int(x) for x in args.decode_batches.split(",")]
     if "decode" in parts:
         rec["decode"] = []
