@@ -240,15 +240,12 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   // A block of NB weight rows stays in cache while every row of x passes over it.
   // Tiles: up to 4 x 4 for few rows (decode), 8 x 2 for 5..15 rows (each weight load serves 8 rows),
   // and for prefill (16+ rows) a 16-bit block is widened to fp32 once (exactly) and then 4 x 4 tiles.
+  // AVX2 tiles (tile_n): 1 x 4, 2 x 4, 3 x 3, 4 x 3.
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
   const bool widen = WT != DType::F32 && M >= 16;
-  int64_t tm = (M > 4 && M < 16) ? 8 : MR;
-  int64_t tn = tm > 4 ? 2 : NR;
-  if (kAvx2Tiles) {
-    tm = std::min<int64_t>(M, 4);
-    tn = tm <= 2 ? 4 : 3;
-  }
+  const int64_t tm = kAvx2Tiles ? std::min<int64_t>(M, 4) : (M > 4 && M < 16) ? 8 : MR;
+  const int64_t tn = kAvx2Tiles ? (tm <= 2 ? 4 : 3) : tm > 4 ? 2 : NR;
   const float* xp = x.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
