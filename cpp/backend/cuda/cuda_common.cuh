@@ -77,6 +77,9 @@ void launch_chained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem
   check(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), "kernel launch");
 }
 
+// SwiGLU of one gate and up value, fp32: every kernel that applies it (silu_mul, the gated GEMV) uses this.
+__device__ __forceinline__ float silu_mul1(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
 // ---- element conversions ---------------------------------------------------------------------
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
     const float s = warp_sum(acc[0][m]);
     if constexpr (GATED) {
       const float g = to_f(from_f<T>(s)), u = to_f(from_f<T>(warp_sum(acc[R - 1][m])));
-      if (lane == 0) out[m * ldo + n] = from_f<O>(g / (1.0f + expf(-g)) * u);
+      if (lane == 0) out[m * ldo + n] = from_f<O>(silu_mul1(g, u));
     } else {
       if (lane == 0) out[m * ldo + n] = from_f<O>(s + b);
     }

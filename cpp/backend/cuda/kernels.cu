@@ -203,7 +203,7 @@ __global__ void silu_mul_kernel(const T* gu, int64_t gs, T* out, int64_t os, int
   T* o = out + r * os;
   for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
     const float a = to_f(g[i]), b = to_f(g[I + i]);
-    o[i] = from_f<T>(a / (1.0f + expf(-a)) * b);
+    o[i] = from_f<T>(silu_mul1(a, b));
   }
 }
 
@@ -221,7 +221,7 @@ __global__ void silu_mul_vec_kernel(const T* gu, int64_t gs, T* out, int64_t os,
   g.load(gu + r * gs + c);
   u.load(gu + r * gs + I + c);
 #pragma unroll
-  for (int k = 0; k < N; ++k) g.f[k] = g.f[k] / (1.0f + expf(-g.f[k])) * u.f[k];
+  for (int k = 0; k < N; ++k) g.f[k] = silu_mul1(g.f[k], u.f[k]);
   g.store(out + r * os + c);
 }
 
