@@ -194,6 +194,35 @@ def test_linear(h, w_dtype, bias):
                 close(out, ref, atol=2e-5 * math.sqrt(k) / 8 + 1e-6)
 
 
+@pytest.mark.parametrize("w_dtype", W_DTYPES)
+def test_linear_add(h, w_dtype):
+    """out += x @ w^T is exactly linear then add (fp32 sums, product rounded once as before)."""
+    rng = np.random.default_rng(11)
+    for n in ROWS:
+        for k, m in [(5, 7), (64, 100), (257, 33)]:
+            x, res = rnd(rng, n, k), rnd(rng, n, m)
+            w = rnd(rng, m, k, scale=1.0 / math.sqrt(k))
+            out = np.asarray(h.linear_add(x, w, res, w_dtype))
+            np.testing.assert_array_equal(out, np.asarray(h.add(res, h.linear(x, w, None, w_dtype))))
+
+
+def test_norm_linear(h):
+    """rms_norm feeding linear (and linear_silu_mul): the CPU composes the two ops exactly."""
+    rng = np.random.default_rng(12)
+    for n in ROWS:
+        for k, m in [(8, 6), (64, 100), (256, 34)]:
+            x = rnd(rng, n, k, scale=2.0)
+            nw = rnd(rng, k) + 1.0
+            w = rnd(rng, m, k, scale=1.0 / math.sqrt(k))
+            b = rnd(rng, m)
+            normed = np.asarray(h.rms_norm(x, nw, 1e-6, False, "float32"))
+            out = np.asarray(h.norm_linear(x, nw, 1e-6, w, b))
+            np.testing.assert_array_equal(out, np.asarray(h.linear(normed, w, b, "float32")))
+            ours = np.asarray(h.norm_linear_silu_mul(x, nw, 1e-6, w))
+            np.testing.assert_array_equal(ours, np.asarray(h.linear_silu_mul(normed, w)))
+            close(out, f64(ref_rms(x, nw, 1e-6, False)) @ f64(w).T + f64(b), atol=1e-5)
+
+
 def test_silu_mul(h):
     rng = np.random.default_rng(9)
     for n in ROWS:

@@ -290,6 +290,64 @@ def test_linear_silu_mul(cpu, act, m, inter, k):
     assert rel(out, ref) < TOL[act]
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,k", [(1, 5, 8), (3, 100, 512), (8, 1024, 4096), (17, 96, 333), (64, 256, 1024)])
+def test_linear_add(cpu, act, m, n, k):
+    """out += x @ w^T (the residual connection): equal to CUDA linear then add where the GEMV fuses them
+    (the product rounded first), close to the CPU everywhere (cuBLASLt adds in fp32 before rounding)."""
+    rng = np.random.default_rng(m * 5 + n + k)
+    x = rand(rng, (m, k), -1, 1, act)
+    w = round_to(rand(rng, (n, k), -1, 1, act) / math.sqrt(k), act)
+    res = rand(rng, (m, n), -2, 2, act)
+    h = harness(DEVICE, act)
+    out = np.asarray(h.linear_add(x, w, res, act))
+    composed = np.asarray(h.add(res, np.asarray(h.linear(x, w, None, act))))
+    ref = np.asarray(cpu.linear_add(x, w, res, "float32"))
+    assert out.shape == (m, n)
+    if act != "float32" and m <= 8 and k % 8 == 0:
+        np.testing.assert_array_equal(out, composed)
+    assert rel(out, ref) < TOL[act]
+
+
+NORM_LINEAR_SHAPES = [(1, 8, 64), (2, 100, 512), (5, 1024, 4096), (6, 300, 4096), (8, 64, 4096), (9, 64, 256),
+                      (33, 24, 72)]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,k", NORM_LINEAR_SHAPES)
+@pytest.mark.parametrize("bias,f32_out", [(False, False), (True, False), (False, True)])
+def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
+    """rms_norm then linear, the norm folded into the decode GEMV (rows up to 48 KiB of shared memory):
+    close to the CPU composition, and row 0 is the same whether it runs alone or in a batch."""
+    rng = np.random.default_rng(m * 3 + n + k + bias)
+    x = rand(rng, (m, k), -2, 2, act)
+    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
+    w = round_to(rand(rng, (n, k), -1, 1, act) / math.sqrt(k), act)
+    b = rand(rng, (1, n), -1, 1, act) if bias else None
+    h = harness(DEVICE, act)
+    out = np.asarray(h.norm_linear(x, nw, 1e-6, w, b, f32_out))
+    ref = np.asarray(cpu.norm_linear(x, nw, 1e-6, w, b, True))
+    assert out.shape == (m, n)
+    assert rel(out, ref) < TOL[act]
+    alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
+    if m <= 8:
+        np.testing.assert_array_equal(out[:1], alone)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (4, 1536, 4096), (8, 256, 4096), (9, 64, 256)])
+def test_norm_linear_silu_mul(cpu, act, m, inter, k):
+    rng = np.random.default_rng(m * 11 + inter + k)
+    x = rand(rng, (m, k), -2, 2, act)
+    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
+    w = round_to(rand(rng, (2 * inter, k), -1, 1, act) / math.sqrt(k), act)
+    h = harness(DEVICE, act)
+    out = np.asarray(h.norm_linear_silu_mul(x, nw, 1e-6, w))
+    ref = np.asarray(cpu.norm_linear_silu_mul(x, nw, 1e-6, w))
+    assert out.shape == (m, inter)
+    assert rel(out, ref) < TOL[act]
+
+
 @pytest.mark.parametrize("w_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])

@@ -23,6 +23,13 @@ struct Linear {
   Tensor scale;  // FP8 only: [ceil(out/128), ceil(in/128)] fp32 multipliers; empty otherwise
 };
 
+// An RMSNorm applied to a linear's input rows: rmsnorm(x) * (zero_centred ? 1 + w : w), as rms_norm.
+struct RmsNorm {
+  Tensor w;  // [1, cols]
+  float eps = 1e-6f;
+  bool zero_centred = false;
+};
+
 // RoPE: the table holds, for each position p, rot_dim/2 cosines then rot_dim/2 sines (fp32),
 // already multiplied by the attention factor of yarn. Rotation is rotate-half (non-interleaved)
 // over the first rot_dim elements of each head; the rest pass through (partial rotary).
@@ -101,7 +108,8 @@ class Backend {
   // Memory. alloc throws std::runtime_error naming the size when memory runs out.
   virtual void* alloc(size_t bytes) = 0;
   virtual void release(void* p) = 0;
-  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;    // waits until copied
+  // Stream-ordered copy from host memory; host_src may be reused once upload returns.
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
   virtual void fill_zero(void* p, size_t bytes) = 0;
   virtual void synchronize() = 0;
@@ -131,6 +139,17 @@ class Backend {
   // With BF16 weights the products are of bf16 values (x rounded to bf16), accumulated in fp32, on every
   // backend; F32 and F16 weights with F32 activations are exact fp32.
   virtual void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) = 0;
+  // out += x @ w^T: a residual connection (out has x's dtype). The sum is that of linear into a tensor of
+  // out's dtype followed by add (a fused backend may skip that rounding of the product).
+  virtual void linear_add(const Tensor& x, const Linear& w, Tensor& out) = 0;
+  // out = rms_norm(x) @ w^T (+ bias): the norm that feeds a linear. h [rows, in] (x's dtype) is scratch for
+  // the default composition (rms_norm into h, then linear); a fused backend normalizes inside the product
+  // (the values may differ by the rounding of h) and leaves h untouched.
+  virtual void norm_linear(const Tensor& x, const RmsNorm& norm, const Linear& w, const Tensor* bias, Tensor& h,
+                           Tensor& out) {
+    rms_norm(x, norm.w, norm.eps, norm.zero_centred, h);
+    linear(h, w, bias, out);
+  }
   // out = silu(gate) * up, where gate = gate_up[:, :I] and up = gate_up[:, I:], I = out.cols.
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
   // The MLP's first half: out = silu_mul(x @ gate_up^T), gate_up [2 I, in] with I = out.cols.
@@ -139,6 +158,12 @@ class Backend {
   virtual void linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
     linear(x, gate_up, nullptr, gate_up_out);
     silu_mul(gate_up_out, out);
+  }
+  // linear_silu_mul of rms_norm(x), with norm_linear's scratch h and contract.
+  virtual void norm_linear_silu_mul(const Tensor& x, const RmsNorm& norm, const Linear& gate_up, Tensor& h,
+                                    Tensor& gate_up_out, Tensor& out) {
+    rms_norm(x, norm.w, norm.eps, norm.zero_centred, h);
+    linear_silu_mul(h, gate_up, gate_up_out, out);
   }
   // One layer's q|k|v projection output qkv (cols = (q_heads + 2 * kv_heads) * head_dim): in place,
   // RMS-normalizes every q and k head with q_norm / k_norm (when not null), rotates q and k at
@@ -165,10 +190,27 @@ class Backend {
   virtual void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) = 0;
   // In place: x += y (elementwise, same shape).
   virtual void add(Tensor& x, const Tensor& y) = 0;
+  // ids[i] = src[src_index[i]] where src_index[i] >= 0 (n entries; int32, backend memory): a step's input
+  // tokens that the step before sampled, taken from sampled_tokens() without a round trip to the host.
+  virtual void fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) = 0;
   // Samples one token per row of logits ([rows, vocab], F32) with rows[i]'s parameters.
   // Waits for the result. Random draws depend only on (seed, draw, token id), so a request's
   // tokens do not depend on the batch it runs in.
   virtual void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) = 0;
+  // sample() in two halves, so that the host can launch the next step before this one's tokens are known:
+  // sample_start enqueues the sampling and returns; sample_finish waits (at most timeout_s, then throws
+  // std::runtime_error) and fills out. At most two samplings are started and not finished; they finish in
+  // order. Until the next sample_start, sampled_tokens() holds the last started sampling's token of each
+  // row (backend memory, for fill_tokens). The defaults run sample() at once.
+  virtual void sample_start(const Tensor& logits, const std::vector<SampleRow>& rows) {
+    SampleResult& r = results_[started_++ & 1];
+    sample(logits, rows, r);
+  }
+  virtual void sample_finish(SampleResult& out, double timeout_s) {
+    (void)timeout_s;
+    out = results_[finished_++ & 1];
+  }
+  virtual const int32_t* sampled_tokens() const { return results_[(started_ - 1) & 1].tokens.data(); }
 
   // Graphs (CUDA): ops issued between begin_capture and end_capture are recorded, not run;
   // replay runs them again with the same pointers. Backends without graphs return -1.
@@ -176,6 +218,10 @@ class Backend {
   virtual void begin_capture() {}
   virtual int end_capture() { return -1; }
   virtual void replay(int graph) { (void)graph; }
+
+ private:
+  SampleResult results_[2];  // the default sample_start's results
+  uint64_t started_ = 0, finished_ = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

@@ -138,6 +138,37 @@ void bind_op_harness(nb::module_& m) {
              h.be().linear(xd.t, lin, bd ? &bd->t : nullptr, o.t);
              return h.down(o.t);
            }, "x"_a, "w"_a, "bias"_a.none(), "w_dtype"_a)
+      .def("linear_add",
+           [](OpHarness& h, F32In x, F32In w, F32In out, const std::string& wd) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, parse_dtype(wd)), o = h.up(out, h.act());
+             Linear lin;
+             lin.w = wdv.t;
+             h.be().linear_add(xd.t, lin, o.t);
+             return h.down(o.t);
+           }, "x"_a, "w"_a, "out"_a, "w_dtype"_a)
+      .def("norm_linear",
+           [](OpHarness& h, F32In x, F32In norm_w, float eps, F32In w, std::optional<F32In> bias, bool f32_out) {
+             Dev xd = h.up(x, h.act()), nw = h.up(norm_w, DType::F32), wdv = h.up(w, h.act());
+             std::optional<Dev> bd;
+             if (bias) bd = h.up(*bias, DType::F32);
+             Dev hd = h.empty(xd.t.rows, xd.t.cols, h.act());
+             Dev o = h.empty(xd.t.rows, wdv.t.rows, f32_out ? DType::F32 : h.act());
+             Linear lin;
+             lin.w = wdv.t;
+             h.be().norm_linear(xd.t, RmsNorm{nw.t, eps, false}, lin, bd ? &bd->t : nullptr, hd.t, o.t);
+             return h.down(o.t);
+           }, "x"_a, "norm_w"_a, "eps"_a, "w"_a, "bias"_a.none(), "f32_out"_a = false)
+      .def("norm_linear_silu_mul",
+           [](OpHarness& h, F32In x, F32In norm_w, float eps, F32In w) {
+             Dev xd = h.up(x, h.act()), nw = h.up(norm_w, DType::F32), wdv = h.up(w, h.act());
+             Dev hd = h.empty(xd.t.rows, xd.t.cols, h.act());
+             Dev gu = h.empty(xd.t.rows, wdv.t.rows, h.act());
+             Dev o = h.empty(xd.t.rows, wdv.t.rows / 2, h.act());
+             Linear lin;
+             lin.w = wdv.t;
+             h.be().norm_linear_silu_mul(xd.t, RmsNorm{nw.t, eps, false}, lin, hd.t, gu.t, o.t);
+             return h.down(o.t);
+           }, "x"_a, "norm_w"_a, "eps"_a, "gate_up"_a)
       .def("linear_silu_mul",
            [](OpHarness& h, F32In x, F32In w) {
              Dev xd = h.up(x, h.act()), wdv = h.up(w, h.act());

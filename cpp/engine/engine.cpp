@@ -127,9 +127,21 @@ struct Engine::Impl {
     if (err) std::rethrow_exception(err);
   }
 
+  // A launched step whose tokens are not yet known (at most one: `launched`), and the requests that
+  // finished while it was in flight (kept alive because it refers to them).
+  struct Flight {
+    Plan plan;
+    bool sampled = false;        // a sampling was started
+    bool needs_tokens = false;   // a request of it samples with penalties: the next plan needs its tokens
+    std::vector<std::unique_ptr<Request>> retired;
+  };
+  std::unique_ptr<Flight> launched;
+
   void build(const std::vector<TensorSource>& tensors, const Progress& progress);
   void loop();
   void step();
+  std::unique_ptr<Flight> launch(Plan plan);
+  void complete(std::unique_ptr<Flight> f);
   void publish_token(Request& r, const SampleResult& res, int row);
   void finish(std::unique_ptr<Request> r, Finish f, const std::string& error = "");
   void fail_all(const std::string& msg);
@@ -250,6 +262,8 @@ void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::strin
   o.finish = f;
   o.error = error;
   o.top_n = r->opts.logprobs;
+  r->finished = true;
+  if (launched) launched->retired.push_back(std::move(r));  // the step in flight may refer to it
 }
 
 void Engine::Impl::fail_all(const std::string& msg) {
@@ -293,17 +307,31 @@ void Engine::Impl::loop() {
   }
 }
 
+// One turn of the loop. With one rank, the next step is planned and launched while the step before it
+// still runs on the device (its sampled tokens feed the new step in device memory, StepInput::token_src);
+// only then are the earlier step's results taken. With several ranks, or when the plan needs the tokens
+// themselves (penalties), the step before is completed first.
 void Engine::Impl::step() {
+  if (launched && (ranks.size() > 1 || launched->needs_tokens)) complete(std::move(launched));
   Plan plan = sched->plan();
-  if (plan.empty()) return;
+  std::unique_ptr<Flight> before = std::move(launched);
+  if (!plan.empty()) launched = launch(std::move(plan));
+  if (before) complete(std::move(before));
+}
+
+std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
+  auto f = std::make_unique<Flight>();
+  f->plan = std::move(plan);
+  const Plan& p = f->plan;
+  const int32_t* sampled = ranks[0].be->sampled_tokens();
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
-    Tensor l = rk.model->forward(plan.input, *rk.kv);
+    Tensor l = rk.model->forward(p.input, *rk.kv, r == 0 ? sampled : nullptr);
     if (r == 0) logits = l;
   });
   // Sampling parameters of the sequences that reached their end.
   std::vector<SampleRow> rows;
-  for (const auto& s : plan.seqs) {
+  for (const auto& s : p.seqs) {
     if (!s.sample) continue;
     const Request& q = *s.req;
     const SamplingOptions& o = q.opts;
@@ -318,6 +346,8 @@ void Engine::Impl::step() {
     row.seed = q.seed;
     row.draw = int64_t(q.output.size());
     row.num_logprobs = o.logprobs;
+    const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
+    f->needs_tokens = f->needs_tokens || penalties;
     if (o.repetition_penalty != 1.0f) {
       std::set<int32_t> seen(q.prompt.begin(), q.prompt.end());
       seen.insert(q.output.begin(), q.output.end());
@@ -334,26 +364,47 @@ void Engine::Impl::step() {
     }
     rows.push_back(std::move(row));
   }
-  SampleResult res;
-  if (!rows.empty()) ranks[0].be->sample(logits, rows, res);
-
-  std::lock_guard<std::mutex> lk(mu);
-  int ri = 0;
-  for (const auto& s : plan.seqs) {
+  if (!rows.empty()) {
+    ranks[0].be->sample_start(logits, rows);
+    f->sampled = true;
+  }
+  // The plan's effect on the requests, as if the step had run: their K/V are (being) written, and each
+  // sampled token has its place in the output.
+  int row = 0;
+  for (auto& s : f->plan.seqs) {
     Request& q = *s.req;
     q.computed = s.first + s.count;
     if (!s.sample) continue;
-    const int32_t tok = res.tokens[ri];
-    q.output.push_back(tok);
+    s.out_index = int(q.output.size());
+    q.output.push_back(kPending);
+    q.pending_row = row++;
+    q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt.max_model_len;
+  }
+  return f;
+}
+
+void Engine::Impl::complete(std::unique_ptr<Flight> f) {
+  SampleResult res;
+  if (f->sampled) ranks[0].be->sample_finish(res, opt.comm_timeout_s);
+  std::lock_guard<std::mutex> lk(mu);
+  int ri = 0;
+  for (const auto& s : f->plan.seqs) {
+    if (!s.sample) continue;
+    const int row = ri++;
+    Request& q = *s.req;
+    if (q.finished) continue;  // cancelled (or failed) while the step ran
+    const int32_t tok = res.tokens[row];
+    q.output[s.out_index] = tok;
     q.output_counts[tok]++;
-    publish_token(q, res, ri);
-    ++ri;
+    if (q.pending_row == row && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+    publish_token(q, res, row);
     const SamplingOptions& o = q.opts;
+    const int produced = s.out_index + 1;
     const bool stop_tok = contains(o.stop_token_ids, tok) || (!o.ignore_eos && contains(o.eos_token_ids, tok));
-    Finish f = Finish::None;
-    if (stop_tok && int(q.output.size()) >= o.min_tokens) f = Finish::Stop;
-    else if (int(q.output.size()) >= o.max_tokens || q.length() >= opt.max_model_len) f = Finish::Length;
-    if (f != Finish::None) finish(sched->remove(&q), f);
+    Finish fin = Finish::None;
+    if (stop_tok && produced >= o.min_tokens) fin = Finish::Stop;
+    else if (produced >= o.max_tokens || int(q.prompt.size()) + produced >= opt.max_model_len) fin = Finish::Length;
+    if (fin != Finish::None) finish(sched->remove(&q), fin);
   }
   snapshot.steps++;
   update_snapshot();

@@ -38,17 +38,24 @@ struct RequestOutput {
   std::string error;
 };
 
+// While a step is in flight, the token it samples for a request is already in `output` as kPending (the
+// next step can be planned and feed it from device memory, StepInput::token_src); it becomes the real
+// token when the step's results arrive.
+constexpr int32_t kPending = -1;
+
 struct Request {
   int64_t id = 0;
   std::vector<int32_t> prompt;
   SamplingOptions opts;
   uint64_t seed = 0;
-  std::vector<int32_t> output;
-  std::map<int32_t, int32_t> output_counts;  // for presence/frequency penalties
+  std::vector<int32_t> output;               // may end with kPending
+  std::map<int32_t, int32_t> output_counts;  // of known output tokens, for presence/frequency penalties
   int slot = -1;
-  int computed = 0;   // tokens whose K/V are in the cache
-  int preempted = 0;  // times preempted
-  bool cancel = false;
+  int computed = 0;         // tokens whose K/V are in the cache (or being written by a launched step)
+  int preempted = 0;        // times preempted
+  int pending_row = -1;     // row of the in-flight step's sampling that gives output.back() (when kPending)
+  bool finishing = false;   // the pending token is its last (length limit): nothing more to plan
+  bool finished = false;    // finished or cancelled; kept alive only while an in-flight step refers to it
 
   int length() const { return int(prompt.size() + output.size()); }
   int32_t token_at(int i) const { return i < int(prompt.size()) ? prompt[i] : output[i - prompt.size()]; }

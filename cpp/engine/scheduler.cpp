@@ -73,6 +73,10 @@ Plan Scheduler::plan() {
   // Running requests first, oldest first: decodes and unfinished prefills.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i].get();
+    if (r->finishing) {  // its last token is being sampled
+      ++i;
+      continue;
+    }
     int n = std::min(r->length() - r->computed, budget);
     // Tokens that fit in the pages the slot has plus the free ones.
     const int cap = (int(slots_[r->slot].pages.size()) + pool_.free_count()) * ps - r->computed;
@@ -87,8 +91,8 @@ Plan Scheduler::plan() {
     ++i;
   }
   // Admit waiting requests while slots, pages and budget allow.
-  while (budget > 0 && !waiting_.empty() && slots_.free_count() > 0 && pool_.free_count() > 0 &&
-         int(running_.size()) < opt_.max_batch_size) {
+  while (budget > 0 && !waiting_.empty() && !waiting_.front()->finishing && slots_.free_count() > 0 &&
+         pool_.free_count() > 0 && int(running_.size()) < opt_.max_batch_size) {
     Request* r = waiting_.front().get();
     int n = std::min({r->length(), budget, pool_.free_count() * ps});
     r->slot = slots_.acquire();
@@ -113,7 +117,9 @@ void Scheduler::build_input(Plan& p) {
   for (auto& s : p.seqs) {
     const Slot& slot = slots_[s.req->slot];
     for (int i = s.first; i < s.first + s.count; ++i) {
-      in.tokens.push_back(s.req->token_at(i));
+      const int32_t t = s.req->token_at(i);
+      in.tokens.push_back(t == kPending ? 0 : t);
+      in.token_src.push_back(t == kPending ? s.req->pending_row : -1);
       in.positions.push_back(i);
       in.kv_rows.push_back(slot.pages[i / ps] * ps + i % ps);
     }

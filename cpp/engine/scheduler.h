@@ -22,9 +22,10 @@ struct SchedulerOptions {
 
 struct PlannedSeq {
   Request* req;
-  int first;    // first token index fed this step
-  int count;    // tokens fed this step
-  bool sample;  // the step reaches the end of the sequence: a token is sampled
+  int first;          // first token index fed this step
+  int count;          // tokens fed this step
+  bool sample;        // the step reaches the end of the sequence: a token is sampled
+  int out_index = -1; // where in req->output the sampled token goes (set when the step is launched)
 };
 
 struct Plan {

@@ -1,5 +1,6 @@
 #include "model/qwen.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "backend/random.h"
@@ -51,17 +52,15 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
 
   const DType act = be_.act_dtype();
   const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim;
-  const int64_t meta = 3 * int64_t(std::max(T, S)) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
+  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
   meta_ = alloc_tensor(DType::I32, 1, meta);
   residual_ = alloc_tensor(act, T, H);
   hidden_ = alloc_tensor(act, T, H);
   qkv_ = alloc_tensor(act, T, int64_t(q_heads_ + 2 * kv_heads_) * D);
   attn_ = alloc_tensor(act, T, int64_t(q_heads_) * D);
-  proj_ = alloc_tensor(act, T, H);
   gate_up_ = alloc_tensor(act, T, 2 * int64_t(inter_));
   act_ = alloc_tensor(act, T, inter_);
   sel_res_ = alloc_tensor(act, S, H);
-  sel_x_ = alloc_tensor(act, S, H);
   sel_h_ = alloc_tensor(act, S, H);
   // Logits: this rank's shard [S, vocab_pad_]; with several ranks, gathered then laid out as [S, n * vocab_pad_].
   logits_ = alloc_tensor(DType::F32, S, int64_t(n) * vocab_pad_);
@@ -171,12 +170,13 @@ int QwenModel::graph_bucket(int n, int max_n) {
   return -1;
 }
 
-AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int max_pages, int max_ctx) {
+AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, int rows, int max_pages,
+                                  int max_ctx) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   const bool pad = rows > T;  // decode-only: T == S == R, padded to `rows` one-token sequences
   const int SS = pad ? rows : S, RR = pad ? rows : R;
   std::vector<int32_t> meta;
-  meta.reserve(size_t(3 * rows + 2 * SS + 1 + SS * max_pages + RR));
+  meta.reserve(size_t(4 * rows + 2 * SS + 1 + SS * max_pages + RR));
   auto put = [&](const std::vector<int32_t>& v, int n, auto pad_value) {
     const size_t off = meta.size();
     meta.insert(meta.end(), v.begin(), v.end());
@@ -187,6 +187,7 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int 
   const size_t o_tok = put(s.tokens, rows, [](int) { return 0; });
   if (vocab0_ != 0)  // this rank's embedding shard starts at vocab0_: other ids look up zero rows
     for (int i = 0; i < rows; ++i) meta[o_tok + i] -= vocab0_;
+  const size_t o_src = put(s.token_src, rows, [](int) { return -1; });
   const size_t o_pos = put(s.positions, rows, [](int) { return 0; });
   const size_t o_kvr = put(s.kv_rows, rows, [&](int) { return scratch; });
   const size_t o_qs = put(s.q_start, SS + 1, [](int i) { return i; });
@@ -198,7 +199,12 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int 
   const size_t o_lr = put(s.logit_rows, RR, [](int i) { return i; });
   QRT_CHECK(int64_t(meta.size()) <= meta_.cols, "step metadata exceeds its buffer");
   be_.upload(meta_.data, meta.data(), meta.size() * 4);
-  const int32_t* m = meta_.ptr<int32_t>();
+  int32_t* m = meta_.ptr<int32_t>();
+  // Tokens sampled by the step before, still in device memory, take their places.
+  if (std::any_of(s.token_src.begin(), s.token_src.end(), [](int32_t i) { return i >= 0; })) {
+    QRT_CHECK(sampled && vocab0_ == 0, "step input refers to sampled tokens it was not given");
+    be_.fill_tokens(m + o_tok, m + o_src, sampled, rows);
+  }
   d_tokens_ = m + o_tok;
   d_positions_ = m + o_pos;
   d_logit_rows_ = m + o_lr;
@@ -216,7 +222,7 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, KvCache& kv, int rows, int 
   return b;
 }
 
-Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
+Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sampled) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= lim_.max_seqs &&
                 s.max_pages <= lim_.max_pages_per_seq,
@@ -226,7 +232,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
   if (lim_.graphs && be_.supports_graphs() && decode && bucket >= S) {
     // Fixed shapes for the graph: padded rows, every page column, the longest context.
     const int max_ctx = lim_.max_pages_per_seq * kv.page_size();
-    AttnBatch b = upload_meta(s, kv, bucket, lim_.max_pages_per_seq, max_ctx);
+    AttnBatch b = upload_meta(s, sampled, kv, bucket, lim_.max_pages_per_seq, max_ctx);
     auto it = graphs_.find(bucket);
     if (it == graphs_.end()) {
       be_.begin_capture();
@@ -241,7 +247,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv) {
     be_.replay(it->second);
     return logits_view(R);
   }
-  AttnBatch b = upload_meta(s, kv, T, s.max_pages, s.max_ctx_len);
+  AttnBatch b = upload_meta(s, sampled, kv, T, s.max_pages, s.max_ctx_len);
   body(b, T, R, kv);
   return logits_view(R);
 }
@@ -252,47 +258,46 @@ Tensor QwenModel::logits_view(int rows) const {
 }
 
 void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
-  const int D = cfg_.head_dim, qn = q_heads_ * D;
+  const int D = cfg_.head_dim, qn = q_heads_ * D, n = comm_.size();
   const float eps = cfg_.rms_eps;
   const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
   Tensor res = residual_.row_slice(0, T), h = hidden_.row_slice(0, T), qkv = qkv_.row_slice(0, T),
-         attn = attn_.row_slice(0, T), proj = proj_.row_slice(0, T), gu = gate_up_.row_slice(0, T),
-         act = act_.row_slice(0, T);
+         attn = attn_.row_slice(0, T), gu = gate_up_.row_slice(0, T), act = act_.row_slice(0, T);
   Tensor q = qkv.col_slice(0, qn);
+  // A row-parallel linear's output joins the residual stream: rank 0 adds its share to the residual, the
+  // other ranks put theirs in place of it, and the ranks sum (one rank: just the add).
+  auto add_to_residual = [&](const Tensor& x, const Linear& w) {
+    if (comm_.rank() == 0) be_.linear_add(x, w, res);
+    else be_.linear(x, w, nullptr, res);
+    if (n > 1) comm_.all_reduce_sum(res);
+  };
 
   be_.embedding(d_tokens_, embed_, res);
-  if (comm_.size() > 1) comm_.all_reduce_sum(res);
+  if (n > 1) comm_.all_reduce_sum(res);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const Layer& L = layers_[l];
-    if (l == 0) be_.rms_norm(res, L.input_norm, eps, false, h);
-    else be_.add_rms_norm(res, proj, L.input_norm, eps, false, h);
-    be_.linear(h, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, qkv);
+    be_.norm_linear(res, RmsNorm{L.input_norm, eps}, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, h, qkv);
     KvLayer cache = kv.layer(l);
     be_.finish_qkv(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
                    d_positions_, rope_, b, cache);
     be_.attention(q, cache, b, shape, attn);
-    be_.linear(attn, L.o, nullptr, proj);
-    comm_.all_reduce_sum(proj);
-    be_.add_rms_norm(res, proj, L.post_norm, eps, false, h);
-    be_.linear_silu_mul(h, L.gate_up, gu, act);
-    be_.linear(act, L.down, nullptr, proj);
-    comm_.all_reduce_sum(proj);
+    add_to_residual(attn, L.o);
+    be_.norm_linear_silu_mul(res, RmsNorm{L.post_norm, eps}, L.gate_up, h, gu, act);
+    add_to_residual(act, L.down);
   }
   // Only the rows that sample need the final norm and the LM head.
   if (R == 0) return;
-  Tensor sr = sel_res_.row_slice(0, R), sx = sel_x_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
+  Tensor sr = sel_res_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
   be_.gather_rows(res, d_logit_rows_, sr);
-  be_.gather_rows(proj, d_logit_rows_, sx);
-  be_.add_rms_norm(sr, sx, final_norm_, eps, false, sh);
-  const int n = comm_.size();
+  const RmsNorm final_norm{final_norm_, eps};
   if (n == 1) {
     Tensor logits = logits_.row_slice(0, R);
-    be_.linear(sh, lm_head_, nullptr, logits);
+    be_.norm_linear(sr, final_norm, lm_head_, nullptr, sh, logits);
     return;
   }
   // Vocab-parallel LM head: each rank's [R, vocab_pad_] shard, gathered, then placed side by side.
   Tensor local = logits_gathered_.row_slice(int64_t(comm_.rank()) * R, R);
-  be_.linear(sh, lm_head_, nullptr, local);
+  be_.norm_linear(sr, final_norm, lm_head_, nullptr, sh, local);
   Tensor gathered = logits_gathered_.row_slice(0, int64_t(n) * R);
   comm_.all_gather_rows(local, gathered);
   for (int r = 0; r < n; ++r) {

@@ -15,6 +15,7 @@ namespace qrt {
 // One step as the model sees it (host memory). Built once by the scheduler, read by every rank.
 struct StepInput {
   std::vector<int32_t> tokens;      // [T]
+  std::vector<int32_t> token_src;   // [T] -1, or the row of the previous step's sampling whose token this is
   std::vector<int32_t> positions;   // [T]
   std::vector<int32_t> kv_rows;     // [T] cache row of each token: page * page_size + offset
   std::vector<int32_t> q_start;     // [S + 1]
@@ -47,8 +48,9 @@ class QwenModel {
   QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,
             const Progress& progress);
   // Runs one step; returns logits [logit_rows, vocab] (F32, backend memory), valid until the next call.
-  // kv must have been built with kv_cols() columns.
-  Tensor forward(const StepInput& step, KvCache& kv);
+  // kv must have been built with kv_cols() columns. sampled: the backend's sampled_tokens() of the step
+  // before, where step.token_src points (may be null when no token_src is set).
+  Tensor forward(const StepInput& step, KvCache& kv, const int32_t* sampled = nullptr);
   int kv_cols() const { return kv_heads_ * cfg_.head_dim; }  // this rank's K (or V) columns per token
   size_t weight_bytes() const { return weight_bytes_; }
 
@@ -62,8 +64,10 @@ class QwenModel {
             float dummy_scale, float dummy_offset);
   void load_weights(const Progress& progress);
   void build_rope_table();
-  // Uploads the step's metadata (padded to rows when rows > the step's tokens) and describes it.
-  AttnBatch upload_meta(const StepInput& s, KvCache& kv, int rows, int max_pages, int max_ctx);
+  // Uploads the step's metadata (padded to rows when rows > the step's tokens), fills in the tokens that
+  // come from `sampled`, and describes the batch.
+  AttnBatch upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, int rows, int max_pages,
+                        int max_ctx);
   void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv);
   static int graph_bucket(int n, int max_n);
 
@@ -89,7 +93,7 @@ class QwenModel {
   const int32_t* d_logit_rows_ = nullptr;
   // Workspace.
   Tensor meta_;  // int32 metadata uploaded each step
-  Tensor residual_, hidden_, qkv_, attn_, proj_, gate_up_, act_, sel_res_, sel_x_, sel_h_, logits_;
+  Tensor residual_, hidden_, qkv_, attn_, gate_up_, act_, sel_res_, sel_h_, logits_;
   Tensor logits_gathered_;  // [ranks * max_seqs, vocab_pad_]: every rank's shard, rank-major
   Tensor logits_view(int rows) const;
 };

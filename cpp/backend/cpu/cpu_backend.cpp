@@ -158,6 +158,10 @@ class CpuBackend final : public Backend {
     QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
     cpu::gemm(x, w.w, bias, out, threads_);
   }
+  void linear_add(const Tensor& x, const Linear& w, Tensor& out) override {
+    QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
+    cpu::gemm(x, w.w, nullptr, out, threads_, /*accumulate=*/true);
+  }
   void silu_mul(const Tensor& gu, Tensor& out) override {
     check_f32(gu, "silu_mul");
     const int64_t I = out.cols;
@@ -194,6 +198,10 @@ class CpuBackend final : public Backend {
       const float* b = row(y, r);
       for (int64_t i = 0; i < x.cols; ++i) a[i] += b[i];
     }
+  }
+  void fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) override {
+    for (int i = 0; i < n; ++i)
+      if (src_index[i] >= 0) ids[i] = src[src_index[i]];
   }
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) override {
     cpu::sample(logits, rows, out, threads_);

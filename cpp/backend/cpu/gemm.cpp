@@ -46,14 +46,16 @@ void with_rows(int mr, F&& f) {
 }
 
 // out[m0 + i, n0 + j] = res[i][j] (+ bias[n0 + j]).
+// accumulate: out += the tile (the residual connection of linear_add).
 inline void store_tile(const TileResult& res, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
-                       Tensor& out) {
+                       Tensor& out, bool accumulate) {
   float* op = out.ptr<float>();
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float v = res[i][j];
       if (bias) v += load_f32(*bias, 0, n0 + j);
-      op[(m0 + i) * out.stride + n0 + j] = v;
+      float& o = op[(m0 + i) * out.stride + n0 + j];
+      o = accumulate ? o + v : v;
     }
 }
 
@@ -233,7 +235,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
 }
 
 template <DType WT>
-void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
+void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   const int64_t esz = int64_t(dtype_size(WT));
   const int64_t ldw = w.stride * esz;
@@ -268,7 +270,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
                                  K * 4, K, res);
           else
             run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res);
-          store_tile(res, mr, nr, m0, n0, bias, out);
+          store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
         }
       }
     }
@@ -332,7 +334,7 @@ void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
   }
 }
 
-void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
+void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   std::vector<uint16_t> xb(size_t(M * K));
 #pragma omp parallel for num_threads(threads) if (M * K > (1 << 14))
@@ -354,7 +356,7 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
         const uint16_t* xr = xb.data() + m0 * K;
         const uint16_t* wr = wp + n0 * w.stride;
         with_rows(mr, [&](auto rows) { tile_dp_n<decltype(rows)::value>(nr, xr, K, wr, w.stride, K, res); });
-        store_tile(res, mr, nr, m0, n0, bias, out);
+        store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
       }
     }
   }
@@ -363,16 +365,16 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
 
 }  // namespace
 
-void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads) {
+void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
   QRT_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "cpu linear: activations must be float32");
   QRT_CHECK(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows,
             "cpu linear: shape mismatch x[", x.rows, ",", x.cols, "] w[", w.rows, ",", w.cols, "] out[",
             out.rows, ",", out.cols, "]");
   switch (w.dtype) {
-    case DType::F32: gemm_t<DType::F32>(x, w, bias, out, threads); break;
+    case DType::F32: gemm_t<DType::F32>(x, w, bias, out, threads, accumulate); break;
     case DType::BF16:
 #if defined(__AVX512BF16__)
-      gemm_bf16_dp(x, w, bias, out, threads);
+      gemm_bf16_dp(x, w, bias, out, threads, accumulate);
 #else
       {  // same products as the dot-product path: x rounded to bf16
         std::vector<float> xr(size_t(x.rows * x.cols));
@@ -380,11 +382,11 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int
           for (int64_t k = 0; k < x.cols; ++k)
             xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
         Tensor xt(xr.data(), DType::F32, x.rows, x.cols);
-        gemm_t<DType::BF16>(xt, w, bias, out, threads);
+        gemm_t<DType::BF16>(xt, w, bias, out, threads, accumulate);
       }
 #endif
       break;
-    case DType::F16: gemm_t<DType::F16>(x, w, bias, out, threads); break;
+    case DType::F16: gemm_t<DType::F16>(x, w, bias, out, threads, accumulate); break;
     default: QRT_CHECK(false, "cpu linear: weight dtype ", dtype_name(w.dtype), " not supported");
   }
 }

@@ -2,9 +2,11 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace qrt::cuda {
 
@@ -38,6 +40,7 @@ CudaBackend::CudaBackend(int device, DType act) : dev_(device), act_(act) {
     for (int i = 0; i < 2; ++i) {
       check(cudaMallocHost(&stage_[i], kStage), "cudaMallocHost (staging)");
       check(cudaEventCreateWithFlags(&stage_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&sample_io_[i].done, cudaEventDisableTiming), "cudaEventCreate");
     }
   } catch (...) {
     cleanup();  // gemm_ frees itself during unwinding
@@ -64,9 +67,11 @@ void CudaBackend::cleanup() noexcept {
     if (stage_ev_[i]) cudaEventDestroy(stage_ev_[i]);
     stage_[i] = nullptr;
     stage_ev_[i] = nullptr;
+    SampleIo& io = sample_io_[i];
+    if (io.host) cudaFreeHost(io.host);
+    if (io.done) cudaEventDestroy(io.done);
+    io = SampleIo{};
   }
-  if (io_) cudaFreeHost(io_);
-  io_ = nullptr;
   if (stream_) cudaStreamDestroy(stream_);
   stream_ = nullptr;
   // gemm_ (handle, workspace) is destroyed after this body, on the same device.
@@ -114,31 +119,33 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {
   return s.p;
 }
 
-void* CudaBackend::pinned_io(size_t bytes) {
-  if (io_bytes_ >= bytes) return io_;
-  if (io_) check(cudaFreeHost(io_), "cudaFreeHost");
-  io_ = nullptr;
-  io_bytes_ = 0;
+void* CudaBackend::pinned_io(SampleIo& io, size_t bytes) {
+  if (io.bytes >= bytes) return io.host;
+  if (io.host) check(cudaFreeHost(io.host), "cudaFreeHost");
+  io.host = nullptr;
+  io.bytes = 0;
   const size_t want = std::max<size_t>(bytes, 1 << 16);
-  check(cudaMallocHost(&io_, want), "cudaMallocHost (sampling)");
-  io_bytes_ = want;
-  return io_;
+  check(cudaMallocHost(&io.host, want), "cudaMallocHost (sampling)");
+  io.bytes = want;
+  return io.host;
 }
 
 void CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
   set_device();
   no_capture("upload");
+  // Through the two pinned staging buffers in turn; no wait beyond the copy that last used a buffer, so a
+  // step's metadata goes up while the step before still runs.
   const char* src = static_cast<const char*>(host_src);
   char* d = static_cast<char*>(dst);
-  int b = 0;
-  for (size_t off = 0; off < bytes; off += kStage, b ^= 1) {
+  for (size_t off = 0; off < bytes; off += kStage) {
+    const int b = next_stage_;
+    next_stage_ ^= 1;
     const size_t n = std::min(kStage, bytes - off);
-    check(cudaEventSynchronize(stage_ev_[b]), "upload");  // the copy that last used this buffer is done
+    check(cudaEventSynchronize(stage_ev_[b]), "upload");
     std::memcpy(stage_[b], src + off, n);
     check(cudaMemcpyAsync(d + off, stage_[b], n, cudaMemcpyHostToDevice, stream_), "upload");
     check(cudaEventRecord(stage_ev_[b], stream_), "upload");
   }
-  check(cudaStreamSynchronize(stream_), "upload");
 }
 
 void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
@@ -148,8 +155,9 @@ void CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
   const char* s = static_cast<const char*>(src);
   const size_t chunks = (bytes + kStage - 1) / kStage;
   for (size_t i = 0; i <= chunks; ++i) {
-    if (i < chunks) {  // start chunk i
+    if (i < chunks) {  // start chunk i (after the uploads that used the buffer)
       const size_t off = i * kStage, n = std::min(kStage, bytes - off);
+      check(cudaEventSynchronize(stage_ev_[i & 1]), "download");
       check(cudaMemcpyAsync(stage_[i & 1], s + off, n, cudaMemcpyDeviceToHost, stream_), "download");
       check(cudaEventRecord(stage_ev_[i & 1], stream_), "download");
     }
@@ -213,6 +221,16 @@ void CudaBackend::rope(Tensor& x, int head_dim, const int32_t* positions, const 
 }
 
 void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out) {
+  matmul(x, lw, bias, out, false);
+}
+
+void CudaBackend::linear_add(const Tensor& x, const Linear& lw, Tensor& out) {
+  QRT_CHECK(out.dtype == x.dtype, "cuda linear_add: out dtype ", dtype_name(out.dtype), " differs from x's ",
+            dtype_name(x.dtype));
+  matmul(x, lw, nullptr, out, true);
+}
+
+void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, bool accumulate) {
   set_device();
   const Tensor& w = lw.w;
   QRT_CHECK(lw.scale.empty() && w.dtype != DType::F8E4M3,
@@ -229,10 +247,13 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
   const DType t = x.dtype;
   const int64_t es = int64_t(dtype_size(t));
   const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
-  if (w.dtype == t && launch_gemv(x, w, bias, out, stream_)) return;  // decode: a memory-bound GEMV
+  // Decode: a memory-bound GEMV.
+  if (w.dtype == t && launch_gemv(x, w, bias, out, accumulate ? GemvEpilogue::Add : GemvEpilogue::Store, nullptr,
+                                  stream_))
+    return;
   if (w.dtype == t) {
     if (!gemm_.run(t, M, N, K, x.data, x.stride, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
-                   bias ? bias->dtype : t, stream_, out.dtype))
+                   bias ? bias->dtype : t, stream_, out.dtype, accumulate))
       launch_add_bias(out, *bias, stream_);
     return;
   }
@@ -244,7 +265,7 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
     Tensor xs(xb, w.dtype, M, K);
     launch_convert(x, xs, stream_);
     if (!gemm_.run(w.dtype, M, N, K, xb, K, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
-                   bias ? bias->dtype : t, stream_, out.dtype))
+                   bias ? bias->dtype : t, stream_, out.dtype, accumulate))
       launch_add_bias(out, *bias, stream_);
     return;
   }
@@ -260,7 +281,7 @@ void CudaBackend::linear(const Tensor& x, const Linear& lw, const Tensor* bias, 
     Tensor o = out.col_slice(n0, nc);
     const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
     if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_,
-                   out.dtype)) {
+                   out.dtype, accumulate)) {
       Tensor bs(const_cast<void*>(bp), bias->dtype, 1, nc);
       launch_add_bias(o, bs, stream_);
     }
@@ -274,8 +295,26 @@ void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
 
 void CudaBackend::linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
   // Decode: one gated GEMV (silu_mul in its epilogue); otherwise the composition.
-  if (gate_up.scale.empty() && launch_gemv_silu_mul(x, gate_up.w, out, stream_)) return;
+  set_device();
+  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, nullptr, stream_))
+    return;
   Backend::linear_silu_mul(x, gate_up, gate_up_out, out);
+}
+
+void CudaBackend::norm_linear(const Tensor& x, const RmsNorm& norm, const Linear& lw, const Tensor* bias, Tensor& h,
+                              Tensor& out) {
+  // Decode: the GEMV normalizes its input rows itself; otherwise the composition.
+  set_device();
+  if (lw.scale.empty() && launch_gemv(x, lw.w, bias, out, GemvEpilogue::Store, &norm, stream_)) return;
+  Backend::norm_linear(x, norm, lw, bias, h, out);
+}
+
+void CudaBackend::norm_linear_silu_mul(const Tensor& x, const RmsNorm& norm, const Linear& gate_up, Tensor& h,
+                                       Tensor& gate_up_out, Tensor& out) {
+  set_device();
+  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, &norm, stream_))
+    return;
+  Backend::norm_linear_silu_mul(x, norm, gate_up, h, gate_up_out, out);
 }
 
 void CudaBackend::finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* qn, const Tensor* kn, float eps, bool zc,
@@ -321,21 +360,26 @@ void CudaBackend::add(Tensor& x, const Tensor& y) {
   launch_add(x, y, stream_);
 }
 
+void CudaBackend::fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) {
+  set_device();
+  launch_fill_tokens(ids, src_index, src, n, stream_);
+}
+
 void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) {
+  sample_start(logits, rows);
+  sample_finish(out, 1e30);
+}
+
+void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow>& rows) {
   set_device();
   no_capture("sample");
+  QRT_CHECK(samples_started_ - samples_finished_ < 2, "cuda sample: two samplings are already in flight");
   QRT_CHECK(logits.dtype == DType::F32, "cuda sample: logits must be float32");
   const int64_t R = logits.rows, V = logits.cols;
   QRT_CHECK(int64_t(rows.size()) == R, "cuda sample: ", rows.size(), " parameter rows for ", R, " logit rows");
+  QRT_CHECK(V > 0 && V < (int64_t(1) << 31), "cuda sample: bad vocabulary size ", V);
   int max_n = 0;
   for (auto& r : rows) max_n = std::max(max_n, r.num_logprobs);
-  out.max_n = max_n;
-  out.tokens.assign(R, 0);
-  out.logprobs.assign(R, 0.f);
-  out.top_ids.assign(R * max_n, -1);
-  out.top_logprobs.assign(R * max_n, 0.f);
-  if (R == 0) return;
-  QRT_CHECK(V > 0 && V < (int64_t(1) << 31), "cuda sample: bad vocabulary size ", V);
 
   std::vector<SampleParamsDev> prm(R);
   std::vector<int32_t> lists;
@@ -375,28 +419,61 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& row
   const size_t prm_bytes = round16(prm.size() * sizeof(SampleParamsDev));
   const size_t in_bytes = prm_bytes + round16(std::max<size_t>(lists.size(), 1) * 4);
   const size_t nn = size_t(R) * size_t(max_n);
-  const size_t out_bytes = round16(size_t(R) * 4) * 2 + round16(nn * 4) * 2;
-  char* io = static_cast<char*>(pinned_io(in_bytes + out_bytes));
-  std::memcpy(io, prm.data(), prm.size() * sizeof(SampleParamsDev));
-  if (!lists.empty()) std::memcpy(io + prm_bytes, lists.data(), lists.size() * 4);
+  const size_t out_bytes = round16(size_t(std::max<int64_t>(R, 1)) * 4) * 2 + round16(nn * 4) * 2;
+  SampleIo& io = sample_io_[samples_started_ & 1];
+  char* host = static_cast<char*>(pinned_io(io, in_bytes + out_bytes));
+  io.rows = R;
+  io.max_n = max_n;
+  io.out_off = in_bytes;
+  io.lp_off = round16(size_t(std::max<int64_t>(R, 1)) * 4);
+  io.ids_off = 2 * io.lp_off;
+  io.tlp_off = io.ids_off + round16(nn * 4);
+  std::memcpy(host, prm.data(), prm.size() * sizeof(SampleParamsDev));
+  if (!lists.empty()) std::memcpy(host + prm_bytes, lists.data(), lists.size() * 4);
   char* din = static_cast<char*>(scratch(sample_in_, in_bytes, "sample"));
   char* dout = static_cast<char*>(scratch(sample_out_, out_bytes, "sample"));
   float* x = any_copy ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
-  check(cudaMemcpyAsync(din, io, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");
-  const size_t o_tok = 0, o_lp = round16(size_t(R) * 4), o_ids = 2 * o_lp, o_tlp = o_ids + round16(nn * 4);
-  launch_sample(logits.ptr<float>(), R, V, logits.stride, reinterpret_cast<const SampleParamsDev*>(din),
-                reinterpret_cast<const int32_t*>(din + prm_bytes), x, max_n, reinterpret_cast<int32_t*>(dout + o_tok),
-                reinterpret_cast<float*>(dout + o_lp), reinterpret_cast<int32_t*>(dout + o_ids),
-                reinterpret_cast<float*>(dout + o_tlp), stream_);
-  char* hout = io + in_bytes;
-  check(cudaMemcpyAsync(hout, dout, out_bytes, cudaMemcpyDeviceToHost, stream_), "sample download");
-  check(cudaStreamSynchronize(stream_), "sample");
-  std::memcpy(out.tokens.data(), hout + o_tok, size_t(R) * 4);
-  std::memcpy(out.logprobs.data(), hout + o_lp, size_t(R) * 4);
-  if (nn) {
-    std::memcpy(out.top_ids.data(), hout + o_ids, nn * 4);
-    std::memcpy(out.top_logprobs.data(), hout + o_tlp, nn * 4);
+  if (R > 0) {
+    check(cudaMemcpyAsync(din, host, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");
+    launch_sample(logits.ptr<float>(), R, V, logits.stride, reinterpret_cast<const SampleParamsDev*>(din),
+                  reinterpret_cast<const int32_t*>(din + prm_bytes), x, max_n, reinterpret_cast<int32_t*>(dout),
+                  reinterpret_cast<float*>(dout + io.lp_off), reinterpret_cast<int32_t*>(dout + io.ids_off),
+                  reinterpret_cast<float*>(dout + io.tlp_off), stream_);
+    check(cudaMemcpyAsync(host + in_bytes, dout, out_bytes, cudaMemcpyDeviceToHost, stream_), "sample download");
   }
+  check(cudaEventRecord(io.done, stream_), "sample");
+  sampled_ = reinterpret_cast<const int32_t*>(dout);
+  samples_started_++;
+}
+
+void CudaBackend::sample_finish(SampleResult& out, double timeout_s) {
+  set_device();
+  QRT_CHECK(samples_finished_ < samples_started_, "cuda sample_finish: no sampling in flight");
+  SampleIo& io = sample_io_[samples_finished_ & 1];
+  // Polled, so that a device that never finishes (a hung collective) becomes an error, not a hang.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int spins = 0;; ++spins) {
+    const cudaError_t e = cudaEventQuery(io.done);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) check(e, "sample");
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (waited > timeout_s)
+      throw std::runtime_error(str_cat(name(), ": a step did not finish within ", timeout_s,
+                                       " s (a hung kernel or collective)"));
+    if (spins < 2000) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  samples_finished_++;
+  const int64_t R = io.rows;
+  const size_t nn = size_t(R) * size_t(io.max_n);
+  const char* h = static_cast<const char*>(io.host) + io.out_off;
+  out.max_n = io.max_n;
+  out.tokens.assign(reinterpret_cast<const int32_t*>(h), reinterpret_cast<const int32_t*>(h) + R);
+  out.logprobs.assign(reinterpret_cast<const float*>(h + io.lp_off), reinterpret_cast<const float*>(h + io.lp_off) + R);
+  out.top_ids.assign(reinterpret_cast<const int32_t*>(h + io.ids_off),
+                     reinterpret_cast<const int32_t*>(h + io.ids_off) + nn);
+  out.top_logprobs.assign(reinterpret_cast<const float*>(h + io.tlp_off),
+                          reinterpret_cast<const float*>(h + io.tlp_off) + nn);
 }
 
 void CudaBackend::begin_capture() {

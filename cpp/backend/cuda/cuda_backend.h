@@ -41,7 +41,12 @@ class CudaBackend final : public Backend {
   void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) override;
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void linear_add(const Tensor& x, const Linear& w, Tensor& out) override;
   void linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) override;
+  void norm_linear(const Tensor& x, const RmsNorm& norm, const Linear& w, const Tensor* bias, Tensor& h,
+                   Tensor& out) override;
+  void norm_linear_silu_mul(const Tensor& x, const RmsNorm& norm, const Linear& gate_up, Tensor& h,
+                            Tensor& gate_up_out, Tensor& out) override;
   void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) override;
   void finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
                   bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,
@@ -50,7 +55,11 @@ class CudaBackend final : public Backend {
                  Tensor& out) override;
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override;
   void add(Tensor& x, const Tensor& y) override;
+  void fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) override;
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) override;
+  void sample_start(const Tensor& logits, const std::vector<SampleRow>& rows) override;
+  void sample_finish(SampleResult& out, double timeout_s) override;
+  const int32_t* sampled_tokens() const override { return sampled_; }
 
   bool supports_graphs() const override { return true; }
   void begin_capture() override;
@@ -65,7 +74,18 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
   };
   void* scratch(Scratch& s, size_t bytes, const char* what);
-  void* pinned_io(size_t bytes);
+  // linear (accumulate: linear_add).
+  void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
+  // A sampling in flight: its pinned parameters and results, and where the results lie in them.
+  struct SampleIo {
+    void* host = nullptr;  // pinned
+    size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+    int64_t rows = 0;
+    int max_n = 0;
+    size_t out_off = 0, lp_off = 0, ids_off = 0, tlp_off = 0;
+  };
+  void* pinned_io(SampleIo& io, size_t bytes);
   void no_capture(const char* op) const;
   void cleanup() noexcept;
 
@@ -77,8 +97,10 @@ class CudaBackend final : public Backend {
   static constexpr size_t kStage = size_t(8) << 20;  // bytes of each of the two pinned staging buffers
   void* stage_[2] = {nullptr, nullptr};
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
-  void* io_ = nullptr;  // pinned, for sampling parameters and results
-  size_t io_bytes_ = 0;
+  int next_stage_ = 0;
+  SampleIo sample_io_[2];
+  uint64_t samples_started_ = 0, samples_finished_ = 0;
+  const int32_t* sampled_ = nullptr;  // device tokens of the last started sampling
   Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_x_, sample_out_;
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;

@@ -42,6 +42,23 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Sum over the block (every thread must call; returns the total to all; reusable back to back).
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float red[32];
+  __shared__ float total;
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < int(blockDim.x >> 5) ? red[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
 // ---- chained launches (programmatic dependent launch, sm_90+) ---------------------------------
 // A kernel started with launch_chained may begin while the kernel before it on the stream is still
 // finishing. It calls grid_release() first (so the kernel after it can be scheduled early), may read
@@ -90,6 +107,25 @@ template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// 16 bytes of T, converted to fp32 on load and rounded back to T on store.
+template <typename T>
+struct Vec16 {
+  static constexpr int N = 16 / int(sizeof(T));
+  float f[N];
+  __device__ __forceinline__ void load(const T* p) {
+    alignas(16) T e[N];
+    *reinterpret_cast<uint4*>(e) = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = to_f(e[k]);
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    alignas(16) T e[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) e[k] = from_f<T>(f[k]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
+  }
+};
 
 // Element i of a float tensor of run-time dtype (F32, F16, BF16, F8E4M3).
 __device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
@@ -140,15 +176,19 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
 void launch_head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc, cudaStream_t s);
 void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& tab, cudaStream_t s);
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
-// Few-row linear (M <= 8, 16-bit x and w, gemv.cu); returns false (nothing launched) when it does not apply.
-bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, cudaStream_t s);
-// out = silu(x . w[:N]^T) * (x . w[N:]^T), N = out.cols, with launch_gemv's conditions; false when they fail.
-bool launch_gemv_silu_mul(const Tensor& x, const Tensor& w, Tensor& out, cudaStream_t s);
+// Few-row linear (M <= 8, 16-bit x and w, gemv.cu): out = x @ w^T (+ bias) stored, added to out (Add:
+// linear_add), or, for SiluMul, out = silu(x . w[:N]^T) * (x . w[N:]^T) with N = out.cols. With norm, the rows
+// of x are RMS-normalized first, inside the kernel (norm_linear). Returns false (nothing launched) when the
+// shapes or dtypes are not the GEMV's.
+enum class GemvEpilogue { Store, Add, SiluMul };
+bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epilogue,
+                 const RmsNorm* norm, cudaStream_t s);
 // Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
                        cudaStream_t s);
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);
+void launch_fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n, cudaStream_t s);
 void launch_add_bias(Tensor& out, const Tensor& bias, cudaStream_t s);
 // Row copies: dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n,
 // row_elems elements each; src/dst dtypes may differ (converted).

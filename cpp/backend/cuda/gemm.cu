@@ -89,7 +89,8 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
 }
 
 bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,
-                 void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t) {
+                 void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t,
+                 bool accumulate) {
   if (M == 0 || N == 0) return true;
   const int64_t es = int64_t(dtype_size(t));
   const int al_x = alignment(x, ldx * es), al_w = alignment(w, ldw * es),
@@ -109,7 +110,7 @@ bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_
   if (bias_done)
     lt_check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
              "set bias");
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   lt_check(cublasLtMatmul(handle_, p->op, &alpha, w, p->a, x, p->b, &beta, out, p->c, out, p->c, &p->algo,
                           workspace_, ws_bytes_, s),
            "cublasLtMatmul");

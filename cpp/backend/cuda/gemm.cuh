@@ -21,9 +21,10 @@ class LtGemm {
   void init(size_t workspace_bytes);  // on the current device
   // All three matrices of dtype t (F32: plain fp32 SGEMM, no TF32). bias: [N] of dtype bias_t, or null.
   // Returns false when bias was requested but no epilogue algorithm exists (the caller adds it).
-  // out_t: dtype of out (t, or F32 for fp32 results such as logits).
+  // out_t: dtype of out (t, or F32 for fp32 results such as logits). accumulate: out += the product.
   bool run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,
-           void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t);
+           void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t,
+           bool accumulate = false);
 
  private:
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int>;

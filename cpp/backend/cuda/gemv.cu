@@ -1,13 +1,20 @@
 // GEMV for few-row linears (decode): out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m < M <= 8, 16-bit
 // x and w of the same dtype. One warp per output column; each lane streams 16-byte pieces of the weight
 // row (several in flight) and multiplies them with the same pieces of every x row; fp32 accumulation.
-// The arithmetic of row m does not depend on M (batch invariance among M <= 8).
-// Gated form (the MLP's gate|up projection): warp n also streams row n + N and writes
-// silu(g) * u of the two rounded results, exactly what linear followed by silu_mul gives.
+// The arithmetic of row m does not depend on M (batch invariance among M <= 8; with a norm, among the M
+// whose normalized rows fit in shared memory).
+// Epilogues: Store; Add (out += the product rounded to out's dtype, what linear then add gives); SiluMul
+// (warp n also streams row n + N and writes silu(g) * u of the two rounded results, what linear then
+// silu_mul gives).
+// Norm prologue (norm_linear): each block first writes the RMS-normalized rows of x into shared memory,
+// with rms_norm's arithmetic per element, and the warps read x from there.
 #include "backend/cuda/cuda_common.cuh"
 
 namespace qrt::cuda {
 namespace {
+
+constexpr int kThreads = 256;                  // 8 warps, 8 output columns per block
+constexpr int64_t kNormSmemBytes = 48 << 10;  // normalized x rows per block, at most
 
 template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
@@ -35,18 +42,55 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-template <typename T, typename O, int M, bool GATED>
-__global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
-                                                   int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N, int64_t K,
-                                                   const void* bias, DType bias_t) {
+struct NormArgs {
+  const void* w = nullptr;  // null: no norm
+  DType wt = DType::F32;
+  float eps = 0.f;
+  bool zc = false;
+};
+
+// Rows of x, RMS-normalized, into xs [M, K] (shared memory). Every thread of the block calls.
+template <typename T, int M>
+__device__ void normalize_rows(const T* x, int64_t ldx, int64_t K, const NormArgs& nm, T* xs) {
+  constexpr int E = Vec16<T>::N;
+  const int pieces = int(K / E);
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+      Vec16<T> v;
+      v.load(x + m * ldx + int64_t(i) * E);
+#pragma unroll
+      for (int k = 0; k < E; ++k) ss += v.f[k] * v.f[k];
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss) / float(K) + nm.eps);
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+      Vec16<T> v;
+      v.load(x + m * ldx + int64_t(i) * E);
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        const float wi = load_any(nm.w, nm.wt, int64_t(i) * E + k);
+        v.f[k] = v.f[k] * inv * (nm.zc ? 1.0f + wi : wi);
+      }
+      v.store(xs + m * K + int64_t(i) * E);
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
+                                                        int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N,
+                                                        int64_t K, const void* bias, DType bias_t, NormArgs nm) {
+  constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
+  extern __shared__ uint4 smem[];
   grid_release();
   const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N) return;
+  const bool active = n < N;  // every thread takes part in the norm prologue
   const int lane = threadIdx.x & 31;
   const uint4* wr[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (n + r * N) * ldw);
+  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (active ? n + r * N : 0) * ldw);
   const int64_t chunks = K / 8;  // 16-byte pieces per row
   float acc[R][M];
 #pragma unroll
@@ -54,8 +98,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
-  // The first pieces load before grid_wait (weights are never written), overlapping the previous
-  // kernel's tail; then each iteration multiplies its pieces and loads the next.
+  // The first pieces load before grid_wait and the norm prologue (weights are never written), overlapping
+  // the previous kernel's tail; then each iteration multiplies its pieces and loads the next.
   uint4 wv[R][U];
   auto load_w = [&](int64_t c0) {
 #pragma unroll
@@ -65,14 +109,28 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
   };
   auto full = [&](int64_t c0) { return c0 + 32 * (U - 1) < chunks; };
   int64_t c = lane;
-  if (full(c)) load_w(c);
+  if (active && full(c)) load_w(c);
   grid_wait();
+  const T* xr = x;  // rows of x as the warps read them
+  int64_t ldr = ldx;
+  if constexpr (NORM) {
+    T* xs = reinterpret_cast<T*>(smem);
+    normalize_rows<T, M>(x, ldx, K, nm, xs);
+    xr = xs;
+    ldr = K;
+  }
+  if (!active) return;
+  auto load_x = [&](int m, int64_t piece) {
+    const uint4* p = reinterpret_cast<const uint4*>(xr + m * ldr) + piece;
+    if constexpr (NORM) return *p;
+    else return __ldg(p);
+  };
   while (full(c)) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + c + 32 * u);
+        const uint4 xv = load_x(m, c + 32 * u);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wv[r][u]);
       }
@@ -85,7 +143,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
     for (int r = 0; r < R; ++r) wt[r] = __ldg(wr[r] + c);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + c);
+      const uint4 xv = load_x(m, c);
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wt[r]);
     }
@@ -94,64 +152,94 @@ __global__ void __launch_bounds__(256) gemv_kernel(const T* __restrict__ x, int6
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     const float s = warp_sum(acc[0][m]);
+    O* o = out + m * ldo + n;
     if constexpr (GATED) {
       const float g = to_f(from_f<T>(s)), u = to_f(from_f<T>(warp_sum(acc[R - 1][m])));
-      if (lane == 0) out[m * ldo + n] = from_f<O>(silu_mul1(g, u));
+      if (lane == 0) *o = from_f<O>(silu_mul1(g, u));
+    } else if constexpr (EPI == GemvEpilogue::Add) {
+      if (lane == 0) *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s + b)));
     } else {
-      if (lane == 0) out[m * ldo + n] = from_f<O>(s + b);
+      if (lane == 0) *o = from_f<O>(s + b);
     }
   }
 }
 
 // N: output columns (for the gated form, half the weight rows).
-template <typename T, typename O, bool GATED>
-void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, cudaStream_t s) {
-  const unsigned blocks = ceil_div(N, 8);
+template <typename T, typename O, GemvEpilogue EPI, bool NORM>
+void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, const NormArgs& nm,
+              cudaStream_t s) {
+  const unsigned blocks = ceil_div(N, kThreads / 32);
+  const size_t smem = NORM ? size_t(M) * size_t(w.cols) * sizeof(T) : 0;
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
   auto go = [&](auto kernel) {
-    launch_chained(kernel, blocks, 256, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(), out.stride,
-                   N, w.cols, bp, bt);
+    launch_chained(kernel, blocks, kThreads, smem, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
+                   out.stride, N, w.cols, bp, bt, nm);
   };
   switch (M) {
-    case 1: go(gemv_kernel<T, O, 1, GATED>); break;
-    case 2: go(gemv_kernel<T, O, 2, GATED>); break;
-    case 3: go(gemv_kernel<T, O, 3, GATED>); break;
-    case 4: go(gemv_kernel<T, O, 4, GATED>); break;
-    case 5: go(gemv_kernel<T, O, 5, GATED>); break;
-    case 6: go(gemv_kernel<T, O, 6, GATED>); break;
-    case 7: go(gemv_kernel<T, O, 7, GATED>); break;
-    default: go(gemv_kernel<T, O, 8, GATED>); break;
+    case 1: go(gemv_kernel<T, O, 1, EPI, NORM>); break;
+    case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
+    case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
+    case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
+    case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
+    case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
+    case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
+    default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
   }
 }
 
-bool gemv_applies(const Tensor& x, const Tensor& w, const Tensor& out) {
-  const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
-  const bool out_ok = out.dtype == x.dtype || out.dtype == DType::F32;
-  return sixteen && out_ok && x.rows >= 1 && x.rows <= 8 && w.cols % 8 == 0 && aligned16(x.data, x.stride * 2) &&
-         aligned16(w.data, w.stride * 2);
+// The instantiations that exist: Store and the normed Store to T or F32 (logits), Add and SiluMul (with or
+// without norm) to T.
+template <typename T, bool NORM>
+void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
+              const NormArgs& nm, cudaStream_t s) {
+  switch (epi) {
+    case GemvEpilogue::Store:
+      if (out.dtype == DType::F32) launch_m<T, float, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, s);
+      else launch_m<T, T, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, s);
+      break;
+    case GemvEpilogue::Add:
+      if constexpr (!NORM) launch_m<T, T, GemvEpilogue::Add, false>(M, x, w, w.rows, bias, out, nm, s);
+      break;
+    case GemvEpilogue::SiluMul:
+      launch_m<T, T, GemvEpilogue::SiluMul, NORM>(M, x, w, out.cols, nullptr, out, nm, s);
+      break;
+  }
 }
 
 }  // namespace
 
-bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, cudaStream_t s) {
-  if (!gemv_applies(x, w, out)) return false;
-  if (x.dtype == DType::BF16) {
-    if (out.dtype == DType::F32) launch_m<__nv_bfloat16, float, false>(int(x.rows), x, w, w.rows, bias, out, s);
-    else launch_m<__nv_bfloat16, __nv_bfloat16, false>(int(x.rows), x, w, w.rows, bias, out, s);
-  } else {
-    if (out.dtype == DType::F32) launch_m<__half, float, false>(int(x.rows), x, w, w.rows, bias, out, s);
-    else launch_m<__half, __half, false>(int(x.rows), x, w, w.rows, bias, out, s);
+bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
+                 const RmsNorm* norm, cudaStream_t s) {
+  const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
+  if (!sixteen || x.rows < 1 || x.rows > 8 || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
+      !aligned16(w.data, w.stride * 2))
+    return false;
+  switch (epi) {
+    case GemvEpilogue::Store:
+      if (out.dtype != x.dtype && out.dtype != DType::F32) return false;
+      break;
+    case GemvEpilogue::Add:
+      if (out.dtype != x.dtype || bias || norm) return false;
+      break;
+    case GemvEpilogue::SiluMul:
+      if (out.dtype != x.dtype || bias || w.rows != 2 * out.cols) return false;
+      break;
   }
+  NormArgs nm;
+  if (norm) {
+    if (x.rows * w.cols * 2 > kNormSmemBytes || norm->w.cols < w.cols) return false;
+    nm = NormArgs{norm->w.data, norm->w.dtype, norm->eps, norm->zero_centred};
+  }
+  const int M = int(x.rows);
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    if (norm) launch_t<T, true>(M, x, w, bias, out, epi, nm, s);
+    else launch_t<T, false>(M, x, w, bias, out, epi, nm, s);
+  };
+  if (x.dtype == DType::BF16) go(__nv_bfloat16{});
+  else go(__half{});
   check_launch("gemv");
-  return true;
-}
-
-bool launch_gemv_silu_mul(const Tensor& x, const Tensor& w, Tensor& out, cudaStream_t s) {
-  if (!gemv_applies(x, w, out) || out.dtype != x.dtype || w.rows != 2 * out.cols) return false;
-  if (x.dtype == DType::BF16) launch_m<__nv_bfloat16, __nv_bfloat16, true>(int(x.rows), x, w, out.cols, nullptr, out, s);
-  else launch_m<__half, __half, true>(int(x.rows), x, w, out.cols, nullptr, out, s);
-  check_launch("gemv (silu_mul)");
   return true;
 }
 

@@ -43,24 +43,6 @@ __global__ void embedding_kernel(const int32_t* ids, const void* table, DType tt
     store_any(out, ot, r * os + c, ok ? load_any(table, tt, id * ts + c) : 0.f);
 }
 
-// ---- reductions (warp_sum, warp_max: cuda_common.cuh) -----------------------------------------
-
-__device__ float block_sum(float v) {
-  __shared__ float red[32];
-  __shared__ float total;
-  v = warp_sum(v);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float s = lane < int(blockDim.x >> 5) ? red[lane] : 0.f;
-    s = warp_sum(s);
-    if (lane == 0) total = s;
-  }
-  __syncthreads();
-  return total;
-}
-
 // out = rmsnorm(residual_in + x  or  x) * w'; residual (if given) receives residual_in + x in T.
 template <typename T>
 __global__ void rms_norm_kernel(const T* res_in, int64_t rs_in, const T* x, int64_t xs, const void* w, DType wt,
@@ -92,25 +74,6 @@ __global__ void rms_norm_kernel(const T* res_in, int64_t rs_in, const T* x, int6
     o[i] = from_f<T>(to_f(src[i]) * inv * (zc ? 1.0f + wi : wi));
   }
 }
-
-// 16 bytes of T, converted to fp32 on load and rounded back to T on store.
-template <typename T>
-struct Vec16 {
-  static constexpr int N = 16 / int(sizeof(T));
-  float f[N];
-  __device__ __forceinline__ void load(const T* p) {
-    alignas(16) T e[N];
-    *reinterpret_cast<uint4*>(e) = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int k = 0; k < N; ++k) f[k] = to_f(e[k]);
-  }
-  __device__ __forceinline__ void store(T* p) const {
-    alignas(16) T e[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) e[k] = from_f<T>(f[k]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
-  }
-};
 
 // rms_norm_kernel with 16-byte pieces held in registers (up to V per thread): every load of a row is in
 // flight at once, which is what a one-row (decode) step waits on. Same arithmetic per element.
@@ -372,6 +335,17 @@ void launch_silu_mul(const Tensor& gu, Tensor& out, cudaStream_t s) {
                                                                              out.stride, out.cols);
   });
   check_launch("silu_mul");
+}
+
+__global__ void fill_tokens_kernel(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && src_index[i] >= 0) ids[i] = src[src_index[i]];
+}
+
+void launch_fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n, cudaStream_t s) {
+  if (n <= 0) return;
+  fill_tokens_kernel<<<ceil_div(n, 256), 256, 0, s>>>(ids, src_index, src, n);
+  check_launch("fill_tokens");
 }
 
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s) {
