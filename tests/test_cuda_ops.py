@@ -329,8 +329,8 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
     ref = np.asarray(cpu.norm_linear(x, nw, 1e-6, w, b, True))
     assert out.shape == (m, n)
     assert rel(out, ref) < TOL[act]
-    alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
-    if m <= 8:
+    if act != "float32" and m <= 8:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
+        alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
         np.testing.assert_array_equal(out[:1], alone)
 
 

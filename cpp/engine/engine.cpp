@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -312,7 +313,11 @@ void Engine::Impl::loop() {
 // only then are the earlier step's results taken. With several ranks, or when the plan needs the tokens
 // themselves (penalties), the step before is completed first.
 void Engine::Impl::step() {
-  if (launched && (ranks.size() > 1 || launched->needs_tokens)) complete(std::move(launched));
+  static const bool overlap = [] {  // QWEN_RT_OVERLAP=0: always complete a step before planning the next
+    const char* e = std::getenv("QWEN_RT_OVERLAP");
+    return !(e && std::string(e) == "0");
+  }();
+  if (launched && (ranks.size() > 1 || launched->needs_tokens || !overlap)) complete(std::move(launched));
   Plan plan = sched->plan();
   std::unique_ptr<Flight> before = std::move(launched);
   if (!plan.empty()) launched = launch(std::move(plan));

@@ -8,13 +8,31 @@
 // silu_mul gives).
 // Norm prologue (norm_linear): each block first writes the RMS-normalized rows of x into shared memory,
 // with rms_norm's arithmetic per element, and the warps read x from there.
+#include <cstdlib>
+#include <cstring>
+
 #include "backend/cuda/cuda_common.cuh"
 
 namespace qrt::cuda {
 namespace {
 
 constexpr int kThreads = 256;                  // 8 warps, 8 output columns per block
-constexpr int64_t kNormSmemBytes = 48 << 10;  // normalized x rows per block, at most
+constexpr int64_t kNormSmemBytes = 40 << 10;  // normalized x rows per block, at most (with block_sum's, < 48 KiB)
+
+// How a norm is folded in: Block writes the normalized rows into shared memory first (rms_norm's
+// arithmetic per element); Warp has each warp take the sum of squares of the rows as it streams them and
+// multiply x by the gain on the fly, scaling its dot products by 1/rms at the end (no rounding of the
+// normalized rows). QWEN_RT_NORM_GEMV=block|warp|off picks one (off: rms_norm, then the GEMV).
+enum class NormMode { None, Block, Warp };
+NormMode norm_mode() {
+  static const NormMode m = [] {
+    const char* e = std::getenv("QWEN_RT_NORM_GEMV");
+    if (e && std::strcmp(e, "block") == 0) return NormMode::Block;
+    if (e && std::strcmp(e, "off") == 0) return NormMode::None;
+    return NormMode::Warp;
+  }();
+  return m;
+}
 
 template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
@@ -38,6 +56,21 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
     const float2 u = P::f2(pa[i]), v = P::f2(pb[i]);
     s = fmaf(u.x, v.x, s);
     s = fmaf(u.y, v.y, s);
+  }
+  return s;
+}
+
+// 8 fp32 values of x against 8 elements of w.
+template <typename T>
+__device__ __forceinline__ float dot8f(const float* a, const uint4& b) {
+  using P = Pair<T>;
+  const typename P::type* pb = reinterpret_cast<const typename P::type*>(&b);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = P::f2(pb[i]);
+    s = fmaf(a[2 * i], v.x, s);
+    s = fmaf(a[2 * i + 1], v.y, s);
   }
   return s;
 }
@@ -77,7 +110,7 @@ __device__ void normalize_rows(const T* x, int64_t ldx, int64_t K, const NormArg
   __syncthreads();
 }
 
-template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM>
+template <typename T, typename O, int M, GemvEpilogue EPI, NormMode NORM>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
                                                         int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N,
                                                         int64_t K, const void* bias, DType bias_t, NormArgs nm) {
@@ -113,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
   grid_wait();
   const T* xr = x;  // rows of x as the warps read them
   int64_t ldr = ldx;
-  if constexpr (NORM) {
+  if constexpr (NORM == NormMode::Block) {
     T* xs = reinterpret_cast<T*>(smem);
     normalize_rows<T, M>(x, ldx, K, nm, xs);
     xr = xs;
@@ -122,18 +155,51 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
   if (!active) return;
   auto load_x = [&](int m, int64_t piece) {
     const uint4* p = reinterpret_cast<const uint4*>(xr + m * ldr) + piece;
-    if constexpr (NORM) return *p;
+    if constexpr (NORM == NormMode::Block) return *p;
     else return __ldg(p);
+  };
+  float ss[M];  // Warp: sum of squares of row m
+#pragma unroll
+  for (int m = 0; m < M; ++m) ss[m] = 0.f;
+  // One piece of every x row against the weight pieces wp[r].
+  auto multiply = [&](int64_t piece, const uint4 (&wp)[R]) {
+    if constexpr (NORM == NormMode::Warp) {
+      const float4* gp = reinterpret_cast<const float4*>(static_cast<const float*>(nm.w) + piece * 8);
+      const float4 g0 = __ldg(gp), g1 = __ldg(gp + 1);
+      float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+      if (nm.zc)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] += 1.0f;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        Vec16<T> xv;
+        xv.load(xr + m * ldr + piece * 8);
+        float xg[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          ss[m] = fmaf(xv.f[k], xv.f[k], ss[m]);
+          xg[k] = xv.f[k] * g[k];
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8f<T>(xg, wp[r]);
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const uint4 xv = load_x(m, piece);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wp[r]);
+      }
+    }
   };
   while (full(c)) {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+      uint4 wp[R];
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint4 xv = load_x(m, c + 32 * u);
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wv[r][u]);
-      }
+      for (int r = 0; r < R; ++r) wp[r] = wv[r][u];
+      multiply(c + 32 * u, wp);
+    }
     c += 32 * U;
     if (full(c)) load_w(c);
   }
@@ -141,20 +207,17 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
     uint4 wt[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) wt[r] = __ldg(wr[r] + c);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const uint4 xv = load_x(m, c);
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wt[r]);
-    }
+    multiply(c, wt);
   }
   const float b = bias ? load_any(bias, bias_t, n) : 0.f;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const float s = warp_sum(acc[0][m]);
+    float inv = 1.0f;
+    if constexpr (NORM == NormMode::Warp) inv = 1.0f / sqrtf(warp_sum(ss[m]) / float(K) + nm.eps);
+    const float s = warp_sum(acc[0][m]) * inv;
     O* o = out + m * ldo + n;
     if constexpr (GATED) {
-      const float g = to_f(from_f<T>(s)), u = to_f(from_f<T>(warp_sum(acc[R - 1][m])));
+      const float g = to_f(from_f<T>(s)), u = to_f(from_f<T>(warp_sum(acc[R - 1][m]) * inv));
       if (lane == 0) *o = from_f<O>(silu_mul1(g, u));
     } else if constexpr (EPI == GemvEpilogue::Add) {
       if (lane == 0) *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s + b)));
@@ -165,11 +228,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
 }
 
 // N: output columns (for the gated form, half the weight rows).
-template <typename T, typename O, GemvEpilogue EPI, bool NORM>
+template <typename T, typename O, GemvEpilogue EPI, NormMode NORM>
 void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, const NormArgs& nm,
               cudaStream_t s) {
   const unsigned blocks = ceil_div(N, kThreads / 32);
-  const size_t smem = NORM ? size_t(M) * size_t(w.cols) * sizeof(T) : 0;
+  const size_t smem = NORM == NormMode::Block ? size_t(M) * size_t(w.cols) * sizeof(T) : 0;
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
   auto go = [&](auto kernel) {
@@ -190,7 +253,7 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
 
 // The instantiations that exist: Store and the normed Store to T or F32 (logits), Add and SiluMul (with or
 // without norm) to T.
-template <typename T, bool NORM>
+template <typename T, NormMode NORM>
 void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
               const NormArgs& nm, cudaStream_t s) {
   switch (epi) {
@@ -199,7 +262,7 @@ void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
       else launch_m<T, T, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, s);
       break;
     case GemvEpilogue::Add:
-      if constexpr (!NORM) launch_m<T, T, GemvEpilogue::Add, false>(M, x, w, w.rows, bias, out, nm, s);
+      if constexpr (NORM == NormMode::None) launch_m<T, T, GemvEpilogue::Add, NORM>(M, x, w, w.rows, bias, out, nm, s);
       break;
     case GemvEpilogue::SiluMul:
       launch_m<T, T, GemvEpilogue::SiluMul, NORM>(M, x, w, out.cols, nullptr, out, nm, s);
@@ -227,15 +290,19 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
       break;
   }
   NormArgs nm;
+  const NormMode mode = norm ? norm_mode() : NormMode::None;
   if (norm) {
-    if (x.rows * w.cols * 2 > kNormSmemBytes || norm->w.cols < w.cols) return false;
+    if (mode == NormMode::None || norm->w.cols < w.cols) return false;
+    if (mode == NormMode::Block && x.rows * w.cols * 2 > kNormSmemBytes) return false;
+    if (mode == NormMode::Warp && (norm->w.dtype != DType::F32 || !aligned16(norm->w.data, 0))) return false;
     nm = NormArgs{norm->w.data, norm->w.dtype, norm->eps, norm->zero_centred};
   }
   const int M = int(x.rows);
   auto go = [&](auto tag) {
     using T = decltype(tag);
-    if (norm) launch_t<T, true>(M, x, w, bias, out, epi, nm, s);
-    else launch_t<T, false>(M, x, w, bias, out, epi, nm, s);
+    if (mode == NormMode::Block) launch_t<T, NormMode::Block>(M, x, w, bias, out, epi, nm, s);
+    else if (mode == NormMode::Warp) launch_t<T, NormMode::Warp>(M, x, w, bias, out, epi, nm, s);
+    else launch_t<T, NormMode::None>(M, x, w, bias, out, epi, nm, s);
   };
   if (x.dtype == DType::BF16) go(__nv_bfloat16{});
   else go(__half{});
