@@ -136,3 +136,46 @@ def test_unsupported_head_dim_is_a_clear_error(build):
     import qwen_rt
     with pytest.raises(ValueError, match="head_dim 24"):
         qwen_rt.Generator(str(build("qwen3_gqa2_tied")), device="cuda", progress=False)
+
+
+_STALL_SCRIPT = r"""
+import sys, time, qwen_rt
+folder, comm = sys.argv[1], sys.argv[2]
+g = qwen_rt.Generator(folder, device="cuda", dtype="float32", max_batch_size=4, gpu_memory_utilization=0.05,
+                      comm=comm, comm_timeout=0.5, progress=False)
+t = time.monotonic()
+try:
+    g.generate([[1, 2, 3]], max_tokens=4, temperature=0.0, ignore_eos=True)
+    print("NO ERROR")
+except RuntimeError as e:
+    print("ERROR", round(time.monotonic() - t, 1), e)
+try:
+    g.generate([[1, 2, 3]], max_tokens=2)
+    print("SECOND OK")
+except RuntimeError as e:
+    print("SECOND ERROR", e)
+t = time.monotonic()
+g.close()
+print("CLOSED", round(time.monotonic() - t, 1))
+"""
+
+
+@pytest.mark.parametrize("comm", ["auto", "nccl"])
+def test_step_that_never_finishes_is_a_bounded_error(build, tmp_path, comm):
+    """A step whose device work outlasts comm_timeout (a stall kernel stands in for a hung collective):
+    the request fails with an error naming the wait, later requests are refused, close() returns (the
+    NCCL communicator is aborted), all within bounded time."""
+    import os
+    import subprocess
+    import sys
+    folder = build("qwen3_hd64_gqa4")
+    script = tmp_path / "stall.py"
+    script.write_text(_STALL_SCRIPT)
+    env = dict(os.environ, QWEN_RT_TEST_STALL_MS="3000")
+    r = subprocess.run([sys.executable, str(script), str(folder), comm], env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = r.stdout
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ERROR" in out and "did not finish within 0.5 s" in out, out
+    assert "NO ERROR" not in out and "SECOND ERROR" in out, out
+    assert "CLOSED" in out, out

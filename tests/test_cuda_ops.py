@@ -317,8 +317,8 @@ NORM_LINEAR_SHAPES = [(1, 8, 64), (2, 100, 512), (5, 1024, 4096), (6, 300, 4096)
 @pytest.mark.parametrize("m,n,k", NORM_LINEAR_SHAPES)
 @pytest.mark.parametrize("bias,f32_out", [(False, False), (True, False), (False, True)])
 def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
-    """rms_norm then linear, the norm folded into the decode GEMV (rows up to 48 KiB of shared memory):
-    close to the CPU composition, and row 0 is the same whether it runs alone or in a batch."""
+    """rms_norm then linear, the norm folded into the decode GEMV for one or two rows: close to the CPU
+    composition, and row 0 of two is the same as row 0 alone."""
     rng = np.random.default_rng(m * 3 + n + k + bias)
     x = rand(rng, (m, k), -2, 2, act)
     nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
@@ -329,7 +329,7 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
     ref = np.asarray(cpu.norm_linear(x, nw, 1e-6, w, b, True))
     assert out.shape == (m, n)
     assert rel(out, ref) < TOL[act]
-    if act != "float32" and m <= 8:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
+    if act != "float32" and m <= 2:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
         alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
         np.testing.assert_array_equal(out[:1], alone)
 

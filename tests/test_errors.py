@@ -189,6 +189,9 @@ def test_bad_generator_arguments(folder):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {"max_batch_size": 0})
     with pytest.raises(ValueError, match="load_format"):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, load_format="magic"))
+    for bad, err in ((0, ValueError), (float("nan"), ValueError), ("10", TypeError)):
+        with pytest.raises(err, match="comm_timeout"):
+            qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2), comm_timeout=bad)
 
 
 def test_missing_folder_file(folder, tmp_path):

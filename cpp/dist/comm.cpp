@@ -26,9 +26,10 @@ class ThreadGroup {
  public:
   ThreadGroup(int size, double timeout_s) : size_(size), timeout_(timeout_s), ptrs_(size) {}
   int size() const { return size_; }
-  // Waits until every rank arrives; throws after the timeout (a rank died or hangs).
+  // Waits until every rank arrives; throws after the timeout (a rank died or hangs) or an abort.
   void barrier() {
     std::unique_lock<std::mutex> lock(m_);
+    QRT_CHECK(!aborted_, "tensor-parallel group aborted after an earlier failure");
     const uint64_t gen = gen_;
     if (++count_ == size_) {
       count_ = 0;
@@ -36,8 +37,15 @@ class ThreadGroup {
       cv_.notify_all();
       return;
     }
-    const bool ok = cv_.wait_for(lock, std::chrono::duration<double>(timeout_), [&] { return gen_ != gen; });
+    const bool ok =
+        cv_.wait_for(lock, std::chrono::duration<double>(timeout_), [&] { return gen_ != gen || aborted_; });
+    QRT_CHECK(!aborted_, "tensor-parallel group aborted after an earlier failure");
     QRT_CHECK(ok, "tensor-parallel rank timed out after ", timeout_, " s waiting for the other ranks");
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(m_);
+    aborted_ = true;
+    cv_.notify_all();
   }
   std::vector<const void*>& ptrs() { return ptrs_; }
 
@@ -48,6 +56,7 @@ class ThreadGroup {
   std::condition_variable cv_;
   int count_ = 0;
   uint64_t gen_ = 0;
+  bool aborted_ = false;
   std::vector<const void*> ptrs_;
 };
 
@@ -84,6 +93,7 @@ class ThreadComm final : public Comm {
     }
     g_->barrier();
   }
+  void abort() override { g_->abort(); }
 
  private:
   std::shared_ptr<ThreadGroup> g_;

@@ -20,6 +20,10 @@ class Comm {
   virtual void all_reduce_sum(Tensor& x) = 0;
   // recv [size * send.rows, send.cols] gets each rank's send rows, rank 0 first.
   virtual void all_gather_rows(const Tensor& send, Tensor& recv) = 0;
+  // After a failure (a rank or the device timed out): ends every pending collective of the group and
+  // makes later ones throw, so that no rank, thread or stream waits on it for ever. May be called from
+  // any thread; the communicator is unusable afterwards.
+  virtual void abort() {}
 };
 
 std::unique_ptr<Comm> make_single_comm();

@@ -302,6 +302,9 @@ void Engine::Impl::loop() {
     try {
       step();
     } catch (const std::exception& e) {
+      // A rank or the device may still wait in a collective: end those waits before anything else.
+      for (auto& rk : ranks)
+        if (rk.comm) rk.comm->abort();
       fail_all(std::string("engine step failed: ") + e.what());
       return;
     }
@@ -530,7 +533,10 @@ void Engine::close() {
   if (!m.ranks.empty()) {
     try {
       m.on_ranks([](int, Rank& rk) {
-        if (rk.be) rk.be->synchronize();
+        try {
+          if (rk.be) rk.be->synchronize();
+        } catch (...) {  // a failed device: free what can be freed
+        }
         rk.kv.reset();
         rk.model.reset();
         rk.comm.reset();

@@ -201,7 +201,7 @@ class Generator:
                  max_num_batched_tokens: int | None = None, seed: int = 0, load_format: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
-                 comm: str = "auto", progress: bool = True):
+                 comm: str = "auto", comm_timeout: float = 120.0, progress: bool = True):
         self._engine = None
         dev, index = _parse_device(device)
         # Defaults by device: a GPU serves many sequences per step, a CPU few.
@@ -230,6 +230,10 @@ class Generator:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if comm not in ("auto", "nccl"):
             raise ValueError(f"comm must be 'auto' or 'nccl', got {comm!r}")
+        if isinstance(comm_timeout, bool) or not isinstance(comm_timeout, (int, float)):
+            raise TypeError("comm_timeout must be a number of seconds")
+        if not comm_timeout > 0:  # also rejects NaN
+            raise ValueError(f"comm_timeout must be > 0 seconds, got {comm_timeout}")
 
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
@@ -255,6 +259,7 @@ class Generator:
         opts.num_threads = num_threads
         opts.cuda_graphs = cuda_graphs
         opts.comm = comm
+        opts.comm_timeout_s = float(comm_timeout)
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]

@@ -441,6 +441,13 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
                   reinterpret_cast<float*>(dout + io.tlp_off), stream_);
     check(cudaMemcpyAsync(host + in_bytes, dout, out_bytes, cudaMemcpyDeviceToHost, stream_), "sample download");
   }
+  // Test hook: QWEN_RT_TEST_STALL_MS=<ms> holds every sampling's completion back that long on the device
+  // (a stand-in for a hung collective, for the bounded-wait tests).
+  static const double stall_ms = [] {
+    const char* e = std::getenv("QWEN_RT_TEST_STALL_MS");
+    return e ? std::atof(e) : 0.0;
+  }();
+  if (stall_ms > 0) launch_stall(stall_ms, stream_);
   check(cudaEventRecord(io.done, stream_), "sample");
   sampled_ = reinterpret_cast<const int32_t*>(dout);
   samples_started_++;

@@ -189,6 +189,8 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, c
                        cudaStream_t s);
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);
 void launch_fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n, cudaStream_t s);
+// One thread that spins for ms milliseconds (tests: a step that does not finish in time).
+void launch_stall(double ms, cudaStream_t s);
 void launch_add_bias(Tensor& out, const Tensor& bias, cudaStream_t s);
 // Row copies: dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n,
 // row_elems elements each; src/dst dtypes may differ (converted).

@@ -342,6 +342,19 @@ __global__ void fill_tokens_kernel(int32_t* ids, const int32_t* src_index, const
   if (i < n && src_index[i] >= 0) ids[i] = src[src_index[i]];
 }
 
+__global__ void stall_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+void launch_stall(double ms, cudaStream_t s) {
+  stall_kernel<<<1, 1, 0, s>>>(uint64_t(ms * 1e6));
+  check_launch("stall");
+}
+
 void launch_fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n, cudaStream_t s) {
   if (n <= 0) return;
   fill_tokens_kernel<<<ceil_div(n, 256), 256, 0, s>>>(ids, src_index, src, n);

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 
 #include "backend/cuda/cuda_backend.h"
 #include "dist/comm.h"
@@ -41,8 +42,16 @@ class NcclComm final : public Comm {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  void abort() override {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    if (!comm_) return;
+    ncclCommAbort(comm_);  // ends the collectives in flight; the stream's kernels return
+    comm_ = nullptr;
+  }
+
   void all_reduce_sum(Tensor& x) override {
     QRT_CHECK(x.contiguous() || x.rows <= 1, "nccl all_reduce_sum: tensor must be contiguous");
+    QRT_CHECK(comm_, "nccl: the communicator was aborted after an earlier failure");
     be_.set_device();
     if (x.numel() == 0) return;
     nccl_check(ncclAllReduce(x.data, x.data, size_t(x.numel()), nccl_type(x.dtype), ncclSum, comm_, be_.stream()),
@@ -55,6 +64,7 @@ class NcclComm final : public Comm {
     QRT_CHECK(recv.rows == send.rows * size_ && recv.cols == send.cols && recv.dtype == send.dtype,
               "nccl all_gather_rows: recv is [", recv.rows, ",", recv.cols, "], want [", send.rows * size_, ",",
               send.cols, "]");
+    QRT_CHECK(comm_, "nccl: the communicator was aborted after an earlier failure");
     be_.set_device();
     if (send.numel() == 0) return;
     nccl_check(ncclAllGather(send.data, recv.data, size_t(send.numel()), nccl_type(send.dtype), comm_, be_.stream()),
@@ -64,7 +74,8 @@ class NcclComm final : public Comm {
  private:
   CudaBackend& be_;
   int rank_, size_;
-  ncclComm_t comm_ = nullptr;
+  ncclComm_t comm_ = nullptr;  // null once aborted
+  std::mutex abort_mu_;
 };
 
 void write_err(char* err, size_t len, const char* msg) {
