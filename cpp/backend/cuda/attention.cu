@@ -74,6 +74,25 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
   }
 }
 
+// Eight 16-bit elements held in a uint4 (registers) as fp32.
+template <typename T> __device__ __forceinline__ void unpack8(const uint4& u, float* f);
+template <> __device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <> __device__ __forceinline__ void unpack8<__half>(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+    f[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+  }
+}
+
 // ================================================================================================
 // Rows kernel
 // ================================================================================================
@@ -326,6 +345,184 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
                 ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
     ml[0] = m_s[tid];
     ml[1] = l_s[tid];
+  }
+}
+
+// ================================================================================================
+// Lanes kernel (16-bit decode)
+// ================================================================================================
+// The rows kernel's blocks and outputs, with the keys spread over the lanes instead of staged through
+// shared memory: a key's K and V rows are read straight from the cache by LPK lanes (DPL dimensions
+// each, 16-byte loads, the next keys' rows in flight while these are used), its GM scores are summed
+// over those lanes with shuffles, and an online softmax shared by the warp (one max per KPW keys) scales
+// each lane's running P V. The four warps take interleaved keys and are merged at the end.
+template <int D, int GM> struct LanesCfg {
+  static constexpr int kDpl = GM <= 4 ? 16 : 8;  // dimensions per lane (registers: q and acc are GM x kDpl)
+  static constexpr int kLpk = D / kDpl;           // lanes per key
+  static constexpr int kKpw = 32 / kLpk;          // keys per warp step
+  static constexpr int kWarps = kRowThreads / 32;
+  static constexpr int kKps = kKpw * kWarps;      // keys per block step
+  static constexpr size_t smem = size_t(kWarps) * GM * (D + 2) * 4;
+};
+
+template <typename T, int D, int GM>
+__global__ void __launch_bounds__(kRowThreads) attn_lanes_kernel(const RowsArgs a) {
+  using Cfg = LanesCfg<D, GM>;
+  constexpr int DPL = Cfg::kDpl, LPK = Cfg::kLpk, KPS = Cfg::kKps, NV = DPL / 8, NW = Cfg::kWarps;
+  static_assert(LPK >= 1 && LPK <= 32 && DPL % 8 == 0, "shape");
+  grid_release();
+  grid_wait();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / a.gsubs, g0 = (blockIdx.y % a.gsubs) * GM;
+  const int ng = min(GM, a.group - g0);
+  const int row = blockIdx.z;
+  const int s = find_seq(a.q_start, a.num_seqs, row);
+  const int q_len = a.q_start[s + 1] - a.q_start[s];
+  const int n_keys = a.ctx_len[s] - q_len + (row - a.q_start[s]) + 1;
+  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+  chunk = (chunk + KPS - 1) / KPS * KPS;
+  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+  const int h0 = kvh * a.group + g0;
+  if (k_begin >= k_end) {  // empty split (or no keys at all)
+    if (a.nsplit > 1) {
+      if (tid < ng) {
+        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                    ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+        ml[0] = -INFINITY;
+        ml[1] = 0.f;
+      }
+    } else {
+      T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+      for (int i = tid; i < ng * D; i += kRowThreads) o[i] = from_f<T>(0.f);
+    }
+    return;
+  }
+
+  const int sub = lane % LPK, kl = lane / LPK, d0 = sub * DPL;
+  float q[GM][DPL];
+  {
+    const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D + d0;
+#pragma unroll
+    for (int g = 0; g < GM; ++g)
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        float f[8];
+        if (g < ng) load8(qr + g * D + 8 * v, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[g][8 * v + e] = g < ng ? f[e] * a.scale_log2 : 0.f;
+      }
+  }
+  float m[GM], l[GM], acc[GM][DPL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[g][d] = 0.f;
+  }
+  const int64_t kv_cols = int64_t(a.kv_heads) * D;
+  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
+  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D + d0;
+  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D + d0;
+  auto load_rows = [&](int j, uint4 (&kr)[NV], uint4 (&vr)[NV]) {
+    if (j < k_end) {
+      const int64_t crow = int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        kr[v] = *reinterpret_cast<const uint4*>(kbase + crow * kv_cols + 8 * v);
+        vr[v] = *reinterpret_cast<const uint4*>(vbase + crow * kv_cols + 8 * v);
+      }
+    }
+  };
+  int j = k_begin + warp * Cfg::kKpw + kl;  // this lane's key
+  uint4 kc[NV], vc[NV], kn[NV], vn[NV];
+  load_rows(j, kc, vc);
+  for (int j0 = k_begin + warp * Cfg::kKpw; j0 < k_end; j0 += KPS, j += KPS) {
+    load_rows(j + KPS, kn, vn);  // the next step's rows fly while these are used
+    const bool ok = j < k_end;
+    float kf[DPL], vf[DPL];
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      unpack8<T>(kc[v], kf + 8 * v);
+      unpack8<T>(vc[v], vf + 8 * v);
+    }
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      float sc = 0.f;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) sc = fmaf(q[g][d], kf[d], sc);
+#pragma unroll
+      for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+      if (!ok) sc = -INFINITY;
+      float mx = sc;
+#pragma unroll
+      for (int o = LPK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m[g], mx);  // finite: the step's first key is in range
+      const float alpha = exp2f(m[g] - m_new);
+      const float p = ok ? exp2f(sc - m_new) : 0.f;
+      float ps = p;
+#pragma unroll
+      for (int o = LPK; o < 32; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      l[g] = fmaf(l[g], alpha, ps);
+      m[g] = m_new;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(acc[g][d], alpha, p * vf[d]);
+    }
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      kc[v] = kn[v];
+      vc[v] = vn[v];
+    }
+  }
+  // The warp's key slots hold parts of the same sums; then the warps are merged through shared memory.
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int d = 0; d < DPL; ++d)
+#pragma unroll
+      for (int o = LPK; o < 32; o <<= 1) acc[g][d] += __shfl_xor_sync(0xffffffffu, acc[g][d], o);
+  float* ws = reinterpret_cast<float*>(smem_raw);  // [NW][GM][D + 2]: acc, then m and l
+  if (kl == 0) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      float* w = ws + (warp * GM + g) * (D + 2);
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) w[d0 + d] = acc[g][d];
+      if (sub == 0) {
+        w[D] = m[g];
+        w[D + 1] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < ng * D; i += kRowThreads) {
+    const int g = i / D, d = i - g * D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, ws[(w * GM + g) * (D + 2) + D]);
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float* wr = ws + (w * GM + g) * (D + 2);
+      if (wr[D] == -INFINITY) continue;  // a warp without keys
+      const float c = exp2f(wr[D] - M);
+      num = fmaf(c, wr[d], num);
+      den = fmaf(c, wr[D + 1], den);
+    }
+    const float o = num / den;
+    if (a.nsplit == 1) {
+      static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + g) * D + d] = from_f<T>(o);
+    } else {
+      a.part[((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d] = o;
+      if (d == 0) {
+        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                    ((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * 2;
+        ml[0] = M;
+        ml[1] = den;
+      }
+    }
   }
 }
 
@@ -652,6 +849,28 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
   dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
+  static const bool rows_only = [] {  // QWEN_RT_DECODE_ATTN=rows: the shared-memory rows kernel for 16-bit too
+    const char* e = std::getenv("QWEN_RT_DECODE_ATTN");
+    return e && std::strcmp(e, "rows") == 0;
+  }();
+  if constexpr (sizeof(T) == 2) {
+    if (!rows_only) {
+      auto go = [&](auto kernel, size_t smem) {
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "attention (smem attribute)");
+        launch_chained(kernel, grid, kRowThreads, smem, st, a);
+      };
+      if (group <= 4) go(attn_lanes_kernel<T, D, 4>, LanesCfg<D, 4>::smem);
+      else go(attn_lanes_kernel<T, D, kGMax>, LanesCfg<D, kGMax>::smem);
+      check_launch("attention (lanes)");
+      if (nsplit > 1) {
+        launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial,
+                       b.num_tokens, sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
+        check_launch("attention (combine)");
+      }
+      return;
+    }
+  }
   if (kRowsGM4 && group <= 4) {  // heads 4..7 of the 8-wide variant would idle
     constexpr size_t smem = rows_smem_bytes<T, D, 4>();
     check(cudaFuncSetAttribute(attn_rows_kernel<T, D, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
