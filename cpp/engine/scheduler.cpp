@@ -40,7 +40,7 @@ int Scheduler::expected_growth(const Request& r) const {
 
 bool Scheduler::ensure_pages(Request& r, int tokens) {
   Slot& s = slots_[r.slot];
-  const int need = pages_for(tokens);
+  const int need = (tokens + opt_.page_size - 1) / opt_.page_size;
   if (need - int(s.pages.size()) > pool_.free_count()) return false;
   while (int(s.pages.size()) < need) s.pages.push_back(pool_.alloc());
   return true;
