@@ -90,15 +90,16 @@ def test_concurrent_threads_match_alone(build, make_gen, idle, name):
 
 
 def test_preemption_keeps_tokens(build, fresh_gen, idle):
-    """A pool of ~1.5 long requests with 8 slots: requests are preempted and recomputed, and
-    every request still gets exactly its own greedy tokens."""
+    """A pool of 1.5 full-length requests with 8 slots, and outputs far longer than the prompts: admission
+    reserves only part of the growth, so requests are preempted and recomputed, and every request still
+    gets exactly its own greedy tokens."""
     folder = build("qwen3_gqa4")
-    pages = 6  # 96 tokens; the longest request needs 55 tokens = 4 pages
+    pages = 6  # 96 tokens; every request ends at 52..64 tokens = 4 pages
     gen = fresh_gen(folder, max_batch_size=8, max_model_len=64,
                     kv_cache_memory=M.kv_bytes(folder, pages, 16))
     s = gen.stats()
     assert 4 <= s["total_pages"] <= pages, s
-    work = _workload(folder, 16, seed=200, plen=(25, 35), mt=(20, 20))
+    work = _workload(folder, 16, seed=200, plen=(8, 16), mt=(44, 48))
     reqs = [gen.submit(p, max_tokens=mt, **GREEDY) for p, mt in work]
     outs = [r.result() for r in reqs]
     for (p, mt), c in zip(work, outs):
@@ -108,6 +109,23 @@ def test_preemption_keeps_tokens(build, fresh_gen, idle):
     s = idle(gen)
     assert s["preemptions"] > 0, s
     assert s["free_pages"] == s["total_pages"] and s["free_slots"] == s["total_slots"], s
+
+
+def test_admission_control_avoids_preemption_storms(build, fresh_gen, idle):
+    """Many requests whose outputs outgrow the pool: the scheduler admits by expected growth, so requests
+    are not preempted and readmitted over and over (greedy admission preempted at almost every step)."""
+    folder = build("qwen3_gqa4")
+    gen = fresh_gen(folder, max_batch_size=8, max_model_len=80,
+                    kv_cache_memory=M.kv_bytes(folder, 12, 16))  # 12 pages: three requests at full length
+    work = _workload(folder, 12, seed=210, plen=(18, 22), mt=(40, 40))
+    reqs = [gen.submit(p, max_tokens=mt, **GREEDY) for p, mt in work]
+    outs = [r.result() for r in reqs]
+    for (p, mt), c in zip(work, outs):
+        assert len(c.token_ids) == mt
+        msg = M.greedy_mismatch(folder, p, c.token_ids, mt)
+        assert not msg, msg
+    s = idle(gen)
+    assert s["preemptions"] <= 4, s
 
 
 def test_cancellation_frees_everything(build, fresh_gen, idle):

@@ -19,9 +19,10 @@ def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp):
     gen = fresh_gen(folder, tensor_parallel_size=tp, max_batch_size=6, max_model_len=64,
                     max_num_batched_tokens=20, kv_cache_memory=M.kv_bytes(folder, 7, 16))
     rng = np.random.default_rng(99)
-    lens = [int(x) for x in rng.integers(3, 40, size=36)]
-    mts = [int(x) for x in rng.integers(1, 24, size=36)]
-    prompts = M.pick_prompts(folder, seed=77, lengths=lens, max_new=24)
+    # Outputs longer than prompts: three concurrent requests outgrow the 7 pages whatever admission reserved.
+    lens = [int(x) for x in rng.integers(3, 21, size=36)]
+    mts = [int(x) for x in rng.integers(24, 45, size=36)]
+    prompts = M.pick_prompts(folder, seed=77, lengths=lens, max_new=44)
     results, errors = {}, []
 
     def client(k):
@@ -63,8 +64,8 @@ def test_seeded_sampling_survives_preemption(build, fresh_gen, idle):
     """Seeded temperature sampling: tokens alone equal tokens in a crowded batch that preempts."""
     folder = build("qwen2_gqa4_untied")
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 300, size=int(n)).tolist() for n in rng.integers(10, 35, size=12)]
-    kw = dict(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True)
+    prompts = [rng.integers(3, 300, size=int(n)).tolist() for n in rng.integers(4, 16, size=12)]
+    kw = dict(temperature=0.9, top_p=0.95, max_tokens=44, ignore_eos=True)  # 3-4 pages each, 6 in the pool
     alone_gen = fresh_gen(folder, max_batch_size=1)
     alone = [alone_gen.generate([p], seed=100 + i, **kw)[0].token_ids for i, p in enumerate(prompts)]
     crowded = fresh_gen(folder, max_batch_size=8, max_model_len=64, max_num_batched_tokens=24,

@@ -51,11 +51,11 @@ def test_tp_preemption_keeps_tokens(build, fresh_gen, idle):
     gen = fresh_gen(folder, tensor_parallel_size=2, max_batch_size=8, max_model_len=64,
                     kv_cache_memory=M.kv_bytes(folder, 6, 16))
     rng = np.random.default_rng(5)
-    lens = [int(x) for x in rng.integers(25, 36, size=12)]
-    prompts = M.pick_prompts(folder, seed=21, lengths=lens, max_new=20)
-    outs = gen.generate(prompts, max_tokens=20, **GREEDY)
+    lens = [int(x) for x in rng.integers(8, 17, size=12)]  # every request ends at 52..60 tokens = 4 pages
+    prompts = M.pick_prompts(folder, seed=21, lengths=lens, max_new=44)
+    outs = gen.generate(prompts, max_tokens=44, **GREEDY)
     for p, c in zip(prompts, outs):
-        assert not M.greedy_mismatch(folder, p, c.token_ids, 20)
+        assert not M.greedy_mismatch(folder, p, c.token_ids, 44)
     s = idle(gen)
     assert s["preemptions"] > 0, s
     assert s["free_pages"] == s["total_pages"], s

@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -28,9 +29,18 @@ std::vector<Request*> Scheduler::all_requests() {
   return v;
 }
 
+int Scheduler::pages_for(int tokens) const { return (tokens + opt_.page_size - 1) / opt_.page_size; }
+
+int Scheduler::expected_growth(const Request& r) const {
+  const int held = r.slot >= 0 ? int(slots_[r.slot].pages.size()) : 0;
+  const int remaining = std::max(0, r.opts.max_tokens - int(r.output.size()));
+  const int tokens = std::min(opt_.max_model_len, r.length() + int(std::ceil(reserve_ratio_ * remaining)));
+  return std::max(0, pages_for(tokens) - std::max(held, pages_for(r.length())));
+}
+
 bool Scheduler::ensure_pages(Request& r, int tokens) {
   Slot& s = slots_[r.slot];
-  const int need = (tokens + opt_.page_size - 1) / opt_.page_size;
+  const int need = pages_for(tokens);
   if (need - int(s.pages.size()) > pool_.free_count()) return false;
   while (int(s.pages.size()) < need) s.pages.push_back(pool_.alloc());
   return true;
@@ -46,6 +56,7 @@ void Scheduler::preempt(Request* r) {
   own->computed = 0;
   own->preempted++;
   preemptions_++;
+  reserve_ratio_ = std::min(1.0, reserve_ratio_ + kReserveStep);  // admitted too much: expect more growth
   waiting_.push_front(std::move(own));
 }
 
@@ -90,10 +101,18 @@ Plan Scheduler::plan() {
     budget -= n;
     ++i;
   }
-  // Admit waiting requests while slots, pages and budget allow.
+  // Admit waiting requests while slots, pages and budget allow, and while the pages left cover what the
+  // running requests are expected to grow by (admission control: without it the newest requests are
+  // preempted and readmitted over and over once outputs grow).
+  reserve_ratio_ = std::max(kMinReserveRatio, reserve_ratio_ - kReserveDecay);
+  int reserved = 0;
+  for (auto& r : running_) reserved += expected_growth(*r);
   while (budget > 0 && !waiting_.empty() && !waiting_.front()->finishing && slots_.free_count() > 0 &&
          pool_.free_count() > 0 && int(running_.size()) < opt_.max_batch_size) {
     Request* r = waiting_.front().get();
+    const int need = pages_for(r->length()) + expected_growth(*r);
+    if (!running_.empty() && pool_.free_count() - reserved < need) break;
+    reserved += need;
     int n = std::min({r->length(), budget, pool_.free_count() * ps});
     r->slot = slots_.acquire();
     r->computed = 0;

@@ -1,6 +1,10 @@
 // Scheduler: continuous batching over a fixed number of slots (host only, unit-testable).
 // Each step mixes decode (one token per running request) with chunked prefill under a token budget.
 // When pages run out, the newest running request is preempted (its pages freed, recomputed later).
+// Admission control: a waiting request is admitted only while the free pages cover its current length
+// plus the expected growth of every running request, where a request is expected to produce
+// reserve_ratio of its remaining max_tokens. The ratio rises with each preemption (growth was
+// underestimated) and decays a little every step (outputs often stop before max_tokens).
 #pragma once
 #include <deque>
 #include <memory>
@@ -54,6 +58,8 @@ class Scheduler {
 
  private:
   bool ensure_pages(Request& r, int tokens);  // pages for tokens [0, tokens) of r
+  int pages_for(int tokens) const;
+  int expected_growth(const Request& r) const;  // pages r is expected to add beyond its current length
   void preempt(Request* r);
   void build_input(Plan& p);
 
@@ -63,6 +69,8 @@ class Scheduler {
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
   int64_t preemptions_ = 0;
+  static constexpr double kMinReserveRatio = 0.1, kReserveStep = 0.1, kReserveDecay = 0.001;
+  double reserve_ratio_ = 0.5;
 };
 
 }  // namespace qrt

@@ -72,8 +72,7 @@ __device__ __forceinline__ float dot8f(const float* a, const uint4& b) {
 }
 
 struct NormArgs {
-  const void* w = nullptr;  // null: no norm
-  DType wt = DType::F32;
+  const float* w = nullptr;  // the gain, fp32
   float eps = 0.f;
   bool zc = false;
 };
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
   // One piece of every x row against the weight pieces wp[r].
   auto multiply = [&](int64_t piece, const uint4 (&wp)[R]) {
     if constexpr (NORM) {
-      const float4* gp = reinterpret_cast<const float4*>(static_cast<const float*>(nm.w) + piece * 8);
+      const float4* gp = reinterpret_cast<const float4*>(nm.w + piece * 8);
       const float4 g0 = __ldg(gp), g1 = __ldg(gp + 1);
       float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
       if (nm.zc)
@@ -247,7 +246,7 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
     if (!norm_folding() || x.rows > kNormMaxRows || norm->w.cols < w.cols || norm->w.dtype != DType::F32 ||
         !aligned16(norm->w.data, 0))
       return false;
-    nm = NormArgs{norm->w.data, norm->w.dtype, norm->eps, norm->zero_centred};
+    nm = NormArgs{norm->w.ptr<float>(), norm->eps, norm->zero_centred};
   }
   const int M = int(x.rows);
   auto go = [&](auto tag) {
