@@ -36,10 +36,12 @@ CudaBackend::CudaBackend(int device, DType act) : dev_(device), act_(act) {
   try {
     check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev_), "device attributes");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     gemm_.init(size_t(32) << 20);
     for (int i = 0; i < 2; ++i) {
       check(cudaMallocHost(&stage_[i], kStage), "cudaMallocHost (staging)");
       check(cudaEventCreateWithFlags(&stage_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&sample_io_[i].sampled, cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventCreateWithFlags(&sample_io_[i].done, cudaEventDisableTiming), "cudaEventCreate");
     }
   } catch (...) {
@@ -53,9 +55,11 @@ CudaBackend::~CudaBackend() { cleanup(); }
 void CudaBackend::cleanup() noexcept {
   cudaSetDevice(dev_);
   if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (auto g : graphs_) cudaGraphExecDestroy(g);
   graphs_.clear();
-  for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_out_}) {
+  for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_io_[0].dev_out,
+                     &sample_io_[1].dev_out}) {
     if (s->p) cudaFree(s->p);
     s->p = nullptr;
     s->bytes = 0;
@@ -69,11 +73,13 @@ void CudaBackend::cleanup() noexcept {
     stage_ev_[i] = nullptr;
     SampleIo& io = sample_io_[i];
     if (io.host) cudaFreeHost(io.host);
+    if (io.sampled) cudaEventDestroy(io.sampled);
     if (io.done) cudaEventDestroy(io.done);
     io = SampleIo{};
   }
   if (stream_) cudaStreamDestroy(stream_);
-  stream_ = nullptr;
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
+  stream_ = copy_stream_ = nullptr;
   // gemm_ (handle, workspace) is destroyed after this body, on the same device.
 }
 
@@ -107,6 +113,7 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {
   if (s.p) {
     if (graphs_.empty() && !capturing_) {
       check(cudaStreamSynchronize(stream_), what);
+      check(cudaStreamSynchronize(copy_stream_), what);
       check(cudaFree(s.p), what);
     } else {
       retired_.push_back(s.p);
@@ -177,6 +184,7 @@ void CudaBackend::fill_zero(void* p, size_t bytes) {
 void CudaBackend::synchronize() {
   set_device();
   check(cudaStreamSynchronize(stream_), "synchronize");
+  check(cudaStreamSynchronize(copy_stream_), "synchronize");
 }
 
 void CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {
@@ -431,7 +439,9 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
   std::memcpy(host, prm.data(), prm.size() * sizeof(SampleParamsDev));
   if (!lists.empty()) std::memcpy(host + prm_bytes, lists.data(), lists.size() * 4);
   char* din = static_cast<char*>(scratch(sample_in_, in_bytes, "sample"));
-  char* dout = static_cast<char*>(scratch(sample_out_, out_bytes, "sample"));
+  // The results land in this parity's device buffer once its previous copy to the host is done.
+  check(cudaStreamWaitEvent(stream_, io.done, 0), "sample");
+  char* dout = static_cast<char*>(scratch(io.dev_out, out_bytes, "sample"));
   float* x = any_copy ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
   if (R > 0) {
     check(cudaMemcpyAsync(din, host, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");
@@ -439,7 +449,6 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
                   reinterpret_cast<const int32_t*>(din + prm_bytes), x, max_n, reinterpret_cast<int32_t*>(dout),
                   reinterpret_cast<float*>(dout + io.lp_off), reinterpret_cast<int32_t*>(dout + io.ids_off),
                   reinterpret_cast<float*>(dout + io.tlp_off), stream_);
-    check(cudaMemcpyAsync(host + in_bytes, dout, out_bytes, cudaMemcpyDeviceToHost, stream_), "sample download");
   }
   // Test hook: QWEN_RT_TEST_STALL_MS=<ms> holds every sampling's completion back that long on the device
   // (a stand-in for a hung collective, for the bounded-wait tests).
@@ -448,7 +457,11 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
     return e ? std::atof(e) : 0.0;
   }();
   if (stall_ms > 0) launch_stall(stall_ms, stream_);
-  check(cudaEventRecord(io.done, stream_), "sample");
+  check(cudaEventRecord(io.sampled, stream_), "sample");
+  check(cudaStreamWaitEvent(copy_stream_, io.sampled, 0), "sample");
+  if (R > 0)
+    check(cudaMemcpyAsync(host + in_bytes, dout, out_bytes, cudaMemcpyDeviceToHost, copy_stream_), "sample download");
+  check(cudaEventRecord(io.done, copy_stream_), "sample");
   sampled_ = reinterpret_cast<const int32_t*>(dout);
   samples_started_++;
 }

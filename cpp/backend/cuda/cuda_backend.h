@@ -1,4 +1,5 @@
-// CudaBackend: the Backend of one CUDA device (stream-ordered ops on its own compute stream).
+// CudaBackend: the Backend of one CUDA device. Ops are ordered on its compute stream; a copy stream
+// takes each sampling's results to the host (the next step's kernels do not queue behind that copy).
 // Internal to cpp/backend/cuda/; the engine reaches it only through plugin.h.
 #pragma once
 #include <cuda_runtime.h>
@@ -76,11 +77,14 @@ class CudaBackend final : public Backend {
   void* scratch(Scratch& s, size_t bytes, const char* what);
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
-  // A sampling in flight: its pinned parameters and results, and where the results lie in them.
+  // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
+  // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {
     void* host = nullptr;  // pinned
     size_t bytes = 0;
-    cudaEvent_t done = nullptr;
+    Scratch dev_out;
+    cudaEvent_t sampled = nullptr;  // compute stream: the results are on the device
+    cudaEvent_t done = nullptr;     // copy stream: the results are on the host
     int64_t rows = 0;
     int max_n = 0;
     size_t out_off = 0, lp_off = 0, ids_off = 0, tlp_off = 0;
@@ -93,6 +97,7 @@ class CudaBackend final : public Backend {
   DType act_;
   int num_sms_ = 0;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
   LtGemm gemm_;
   static constexpr size_t kStage = size_t(8) << 20;  // bytes of each of the two pinned staging buffers
   void* stage_[2] = {nullptr, nullptr};
@@ -101,7 +106,7 @@ class CudaBackend final : public Backend {
   SampleIo sample_io_[2];
   uint64_t samples_started_ = 0, samples_finished_ = 0;
   const int32_t* sampled_ = nullptr;  // device tokens of the last started sampling
-  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_x_, sample_out_;
+  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_x_;
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;

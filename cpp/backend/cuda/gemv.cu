@@ -1,16 +1,25 @@
 // GEMV for few-row linears (decode): out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m < M <= 8, 16-bit
-// x and w of the same dtype. One warp per output column; each lane streams 16-byte pieces of the weight
-// row (several in flight) and multiplies them with the same pieces of every x row; fp32 accumulation.
-// The arithmetic of row m does not depend on M (batch invariance among M <= 8; with a folded norm, among
-// M <= kNormMaxRows).
+// x and w of the same dtype; fp32 accumulation.
+// Layout: two warps share a weight row, each streaming a contiguous half of it in 16-byte pieces (several
+// in flight per lane, read past L1) against the same pieces of every x row; a block of 8 warps takes 4
+// rows at a time. The grid is persistent (at most kBlocksPerSm blocks per SM walk the row groups), and a
+// warp loads the first pieces of its next row before it finishes the current one, so the weight stream
+// does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
+// arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
+// norm, among M <= kNormMaxRows). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
+// step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches
+// there, but chained launches slowed the whole decode step: QWEN_RT_PDL stays off).
 // Epilogues: Store; Add (out += the product rounded to out's dtype, what linear then add gives); SiluMul
 // (warp n also streams row n + N and writes silu(g) * u of the two rounded results, what linear then
 // silu_mul gives).
-// Folded norm (norm_linear, M <= kNormMaxRows): each warp takes the sum of squares of the x rows as it
-// streams them, multiplies x by the gain on the fly and scales its dot products by 1/rms at the end (the
-// normalized rows are not rounded to x's dtype). Beyond kNormMaxRows the extra arithmetic per weight
-// piece costs more than a separate rms_norm (measured at M = 4 on the H200: 8.76 against 6.92 ms per
-// Qwen3-8B step), so the composition runs. QWEN_RT_NORM_GEMV=off turns the folding off.
+// Folded norm (norm_linear, M <= kNormMaxRows): each warp takes the sum of squares of its half of the x
+// rows as it streams them, multiplies x by the gain on the fly, and the two halves' sums scale the dot
+// products by 1/rms at the end (the normalized rows are not rounded to x's dtype). Beyond kNormMaxRows
+// the composition (rms_norm, then the GEMV) runs: the extra arithmetic per weight piece costs more than
+// the separate kernel (measured at M = 4 on the H200: 8.76 against 6.92 ms per Qwen3-8B step).
+// Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
+// (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
+// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (0: one block per row group, not persistent).
 #include <cstdlib>
 #include <cstring>
 
@@ -19,7 +28,9 @@
 namespace qrt::cuda {
 namespace {
 
-constexpr int kThreads = 256;  // 8 warps, 8 output columns per block
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kSplit = 2;       // warps per weight row
+constexpr int kRowsPerGroup = kThreads / 32 / kSplit;
 constexpr int kNormMaxRows = 2;
 
 bool norm_folding() {
@@ -28,6 +39,32 @@ bool norm_folding() {
     return !(e && std::strcmp(e, "off") == 0);
   }();
   return on;
+}
+
+// Blocks of the persistent grid: kBlocksPerSm per SM of the calling thread's device (0: one per group).
+int64_t grid_blocks(int64_t groups) {
+  static const int per_sm = [] {
+    const char* e = std::getenv("QWEN_RT_GEMV_BLOCKS");
+    return e ? std::atoi(e) : 8;
+  }();
+  if (per_sm <= 0) return groups;
+  thread_local int dev = -1, sms = 0;
+  int cur = 0;
+  check(cudaGetDevice(&cur), "cudaGetDevice");
+  if (cur != dev) {
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cur), "cudaDeviceGetAttribute");
+    dev = cur;
+  }
+  return std::min<int64_t>(groups, int64_t(sms) * per_sm);
+}
+
+// A weight piece, read once: not kept in L1 (which holds x).
+__device__ __forceinline__ uint4 load_weight(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 template <typename T> struct Pair;
@@ -78,104 +115,160 @@ struct NormArgs {
 };
 
 template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
+__global__ void __launch_bounds__(kThreads, M == 1 ? 4 : M == 2 ? 3 : 1) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
                                                         int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N,
                                                         int64_t K, const void* bias, DType bias_t, NormArgs nm) {
   constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
-  grid_release();
-  const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N) return;
-  const int lane = threadIdx.x & 31;
-  const uint4* wr[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (n + r * N) * ldw);
-  const int64_t chunks = K / 8;  // 16-byte pieces per row
-  float acc[R][M];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
-  // The first pieces load before grid_wait (weights are never written), overlapping the previous
-  // kernel's tail; then each iteration multiplies its pieces and loads the next.
-  uint4 wv[R][U];
-  auto load_w = [&](int64_t c0) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float part[kWarps][R][M], part_ss[kWarps][M];
+  grid_release();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = warp / kSplit, half = warp % kSplit;
+  const int chunks = int(K / 8);  // 16-byte pieces per row
+  const int lo = half * (chunks / 2), len = half == 0 ? chunks / 2 : chunks - chunks / 2;
+  const int groups = int((N + kRowsPerGroup - 1) / kRowsPerGroup);
+  // This warp's half of weight row n (and n + N) of group g; the last group's missing rows read row N - 1.
+  auto locate = [&](int g, const uint4* (&p)[R]) {
+    const int64_t n = g * kRowsPerGroup + row < N ? g * kRowsPerGroup + row : N - 1;
+#pragma unroll
+    for (int r = 0; r < R; ++r) p[r] = reinterpret_cast<const uint4*>(w + (n + r * N) * ldw) + lo;
+  };
+  auto load = [&](const uint4* const (&p)[R], int c0, uint4 (&dst)[R][U]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int u = 0; u < U; ++u) wv[r][u] = __ldg(wr[r] + c0 + 32 * u);
+      for (int u = 0; u < U; ++u) dst[r][u] = load_weight(p[r] + c0 + 32 * u);
   };
-  auto full = [&](int64_t c0) { return c0 + 32 * (U - 1) < chunks; };
-  int64_t c = lane;
-  if (full(c)) load_w(c);
+  auto full = [&](int c0) { return c0 + 32 * (U - 1) < len; };  // U whole pieces from c0 on
+  int g = blockIdx.x;
+  const uint4* wr[R];
+  locate(g, wr);
+  // wv holds the pieces at lane of the current row when full(lane): the first group's load before
+  // grid_wait (weights are never written) overlaps the previous kernel's tail.
+  uint4 wv[R][U];
+  if (g < groups && full(lane)) load(wr, lane, wv);
   grid_wait();
-  float ss[M];  // NORM: sum of squares of row m
+  for (; g < groups; g += gridDim.x) {
+    float acc[R][M], ss[M];  // ss: NORM, the sums of squares of this half of the x rows
 #pragma unroll
-  for (int m = 0; m < M; ++m) ss[m] = 0.f;
-  // One piece of every x row against the weight pieces wp[r].
-  auto multiply = [&](int64_t piece, const uint4 (&wp)[R]) {
-    if constexpr (NORM) {
-      const float4* gp = reinterpret_cast<const float4*>(nm.w + piece * 8);
-      const float4 g0 = __ldg(gp), g1 = __ldg(gp + 1);
-      float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-      if (nm.zc)
+    for (int m = 0; m < M; ++m) {
+      ss[m] = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] += 1.0f;
+      for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
+    }
+    // One piece (index within this half) of every x row against the weight pieces wp[r].
+    auto multiply = [&](int c, const uint4 (&wp)[R]) {
+      const int piece = lo + c;
+      if constexpr (NORM) {
+        const float4* gp = reinterpret_cast<const float4*>(nm.w + piece * 8);
+        const float4 g0 = __ldg(gp), g1 = __ldg(gp + 1);
+        float gain[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        if (nm.zc)
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        Vec16<T> xv;
-        xv.load(x + m * ldx + piece * 8);
-        float xg[8];
+          for (int k = 0; k < 8; ++k) gain[k] += 1.0f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          ss[m] = fmaf(xv.f[k], xv.f[k], ss[m]);
-          xg[k] = xv.f[k] * g[k];
+        for (int m = 0; m < M; ++m) {
+          Vec16<T> xv;
+          xv.load(x + m * ldx + piece * 8);
+          float xg[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            ss[m] = fmaf(xv.f[k], xv.f[k], ss[m]);
+            xg[k] = xv.f[k] * gain[k];
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][m] += dot8f<T>(xg, wp[r]);
         }
+      } else {
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += dot8f<T>(xg, wp[r]);
+        for (int m = 0; m < M; ++m) {
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + piece);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wp[r]);
+        }
       }
-    } else {
+    };
+    auto multiply_all = [&](int c0, const uint4 (&v)[R][U]) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + piece);
+      for (int u = 0; u < U; ++u) {
+        uint4 wp[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wp[r]);
+        for (int r = 0; r < R; ++r) wp[r] = v[r][u];
+        multiply(c0 + 32 * u, wp);
+      }
+    };
+    // Whole rounds of U pieces; each loads the next round (or the next group's first round) before it
+    // multiplies its own.
+    const int gn = g + int(gridDim.x);
+    uint4 nx[R][U];
+    int c = lane;
+    if (full(c)) {
+      for (;;) {
+        const int cn = c + 32 * U;
+        const bool more = full(cn);
+        if (more) {
+          load(wr, cn, nx);
+        } else if (gn < groups) {
+          const uint4* wn[R];
+          locate(gn, wn);
+          load(wn, lane, nx);
+        }
+        multiply_all(c, wv);
+        c = cn;
+        if (!more) break;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int u = 0; u < U; ++u) wv[r][u] = nx[r][u];
       }
     }
-  };
-  while (full(c)) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (; c < len; c += 32) {  // the pieces left over (fewer than U per lane)
       uint4 wp[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) wp[r] = wv[r][u];
-      multiply(c + 32 * u, wp);
+      for (int r = 0; r < R; ++r) wp[r] = load_weight(wr[r] + c);
+      multiply(c, wp);
     }
-    c += 32 * U;
-    if (full(c)) load_w(c);
-  }
-  for (; c < chunks; c += 32) {
-    uint4 wt[R];
+    // The two halves meet in shared memory; warp half 0 adds them (in that order) and writes.
 #pragma unroll
-    for (int r = 0; r < R; ++r) wt[r] = __ldg(wr[r] + c);
-    multiply(c, wt);
-  }
-  const float b = bias ? load_any(bias, bias_t, n) : 0.f;
+    for (int m = 0; m < M; ++m) {
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float inv = 1.0f;
-    if constexpr (NORM) inv = 1.0f / sqrtf(warp_sum(ss[m]) / float(K) + nm.eps);
-    const float s = warp_sum(acc[0][m]) * inv;
-    O* o = out + m * ldo + n;
-    if constexpr (GATED) {
-      const float g = to_f(from_f<T>(s)), u = to_f(from_f<T>(warp_sum(acc[R - 1][m]) * inv));
-      if (lane == 0) *o = from_f<O>(silu_mul1(g, u));
-    } else if constexpr (EPI == GemvEpilogue::Add) {
-      if (lane == 0) *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s + b)));
-    } else {
-      if (lane == 0) *o = from_f<O>(s + b);
+      for (int r = 0; r < R; ++r) acc[r][m] = warp_sum(acc[r][m]);
+      if constexpr (NORM) ss[m] = warp_sum(ss[m]);
     }
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        part_ss[warp][m] = ss[m];
+#pragma unroll
+        for (int r = 0; r < R; ++r) part[warp][r][m] = acc[r][m];
+      }
+    }
+    __syncthreads();
+    const int64_t n = int64_t(g) * kRowsPerGroup + row;
+    if (half == 0 && lane < M && n < N) {
+      const int m = lane, o0 = warp, o1 = warp + 1;
+      float inv = 1.0f;
+      if constexpr (NORM) inv = 1.0f / sqrtf((part_ss[o0][m] + part_ss[o1][m]) / float(K) + nm.eps);
+      const float s = (part[o0][0][m] + part[o1][0][m]) * inv;
+      O* o = out + m * ldo + n;
+      if constexpr (GATED) {
+        const float gv = to_f(from_f<T>(s)), uv = to_f(from_f<T>((part[o0][R - 1][m] + part[o1][R - 1][m]) * inv));
+        *o = from_f<O>(silu_mul1(gv, uv));
+      } else if constexpr (EPI == GemvEpilogue::Add) {
+        *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
+      } else {
+        const float b = bias ? load_any(bias, bias_t, n) : 0.f;
+        *o = from_f<O>(s + b);
+      }
+    }
+    __syncthreads();
+    locate(gn, wr);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) wv[r][u] = nx[r][u];
   }
 }
 
@@ -183,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ x,
 template <typename T, typename O, GemvEpilogue EPI, bool NORM>
 void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, const NormArgs& nm,
               cudaStream_t s) {
-  const unsigned blocks = ceil_div(N, kThreads / 32);
+  const unsigned blocks = unsigned(grid_blocks((N + kRowsPerGroup - 1) / kRowsPerGroup));
 
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
@@ -191,15 +284,20 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
-  switch (M) {
-    case 1: go(gemv_kernel<T, O, 1, EPI, NORM>); break;
-    case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
-    case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
-    case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
-    case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
-    case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
-    case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
-    default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
+  if constexpr (NORM) {  // M <= kNormMaxRows
+    if (M == 1) go(gemv_kernel<T, O, 1, EPI, NORM>);
+    else go(gemv_kernel<T, O, 2, EPI, NORM>);
+  } else {
+    switch (M) {
+      case 1: go(gemv_kernel<T, O, 1, EPI, NORM>); break;
+      case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
+      case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
+      case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
+      case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
+      case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
+      case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
+      default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
+    }
   }
 }
 
