@@ -348,6 +348,37 @@ def test_norm_linear_silu_mul(cpu, act, m, inter, k):
     assert rel(out, ref) < TOL[act]
 
 
+@pytest.mark.parametrize("k", [24, 264, 4104])  # 16-byte pieces per row odd: the two half-rows differ in length
+@pytest.mark.parametrize("n", [1, 5, 133])      # a last group of rows that is partly empty
+def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n):
+    """The decode GEMV (1..8 rows, bf16): every row of every epilogue equals the same row computed with
+    fewer rows (batch invariance), and is close to the CPU."""
+    act = "bfloat16"
+    rng = np.random.default_rng(k * 7 + n)
+    x = rand(rng, (8, k), -1, 1, act)
+    w = round_to(rand(rng, (2 * n, k), -1, 1, act) / math.sqrt(k), act)
+    b = rand(rng, (1, n), -1, 1, act)
+    res = rand(rng, (8, n), -2, 2, act)
+    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
+    h = harness(DEVICE, act)
+    ops = {
+        "linear": (lambda x_, r_: h.linear(x_, w[:n], b, act), lambda x_, r_: cpu.linear(x_, w[:n], b, "float32"), 8),
+        "linear_add": (lambda x_, r_: h.linear_add(x_, w[:n], r_, act),
+                       lambda x_, r_: cpu.linear_add(x_, w[:n], r_, "float32"), 8),
+        "linear_silu_mul": (lambda x_, r_: h.linear_silu_mul(x_, w), lambda x_, r_: cpu.linear_silu_mul(x_, w), 8),
+        "norm_linear": (lambda x_, r_: h.norm_linear(x_, nw, 1e-6, w[:n], b, True),
+                        lambda x_, r_: cpu.norm_linear(x_, nw, 1e-6, w[:n], b, True), 2),
+        "norm_linear_silu_mul": (lambda x_, r_: h.norm_linear_silu_mul(x_, nw, 1e-6, w),
+                                 lambda x_, r_: cpu.norm_linear_silu_mul(x_, nw, 1e-6, w), 2),
+    }
+    for name, (gpu_op, cpu_op, max_rows) in ops.items():
+        full = np.asarray(gpu_op(x[:max_rows], res[:max_rows]))
+        assert rel(full, np.asarray(cpu_op(x[:max_rows], res[:max_rows]))) < TOL[act], name
+        for m in range(1, max_rows):
+            part = np.asarray(gpu_op(x[:m], res[:m]))
+            np.testing.assert_array_equal(part, full[:m], err_msg=f"{name}: {m} rows against {max_rows}")
+
+
 @pytest.mark.parametrize("w_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
