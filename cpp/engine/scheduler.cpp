@@ -112,11 +112,11 @@ Plan Scheduler::plan() {
     Request* r = waiting_.front().get();
     const int need = pages_for(r->length()) + expected_growth(*r);
     if (!running_.empty() && pool_.free_count() - reserved < need) break;
-    reserved += need;
     int n = std::min({r->length(), budget, pool_.free_count() * ps});
     r->slot = slots_.acquire();
     r->computed = 0;
     ensure_pages(*r, n);
+    reserved += need - int(slots_[r->slot].pages.size());  // the pages it holds left the free count already
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
     p.seqs.push_back({r, 0, n, n == r->length()});
