@@ -130,7 +130,7 @@ void Scheduler::build_input(Plan& p) {
   StepInput& in = p.input;
   const int ps = opt_.page_size;
   int max_pages = 0;
-  for (auto& s : p.seqs) max_pages = std::max(max_pages, (s.first + s.count + ps - 1) / ps);
+  for (auto& s : p.seqs) max_pages = std::max(max_pages, pages_for(s.first + s.count));
   in.max_pages = max_pages;
   in.q_start.push_back(0);
   for (auto& s : p.seqs) {
