@@ -257,7 +257,7 @@ void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, 
   const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
   // Decode: a memory-bound GEMV.
   if (w.dtype == t && launch_gemv(x, w, bias, out, accumulate ? GemvEpilogue::Add : GemvEpilogue::Store, nullptr,
-                                  stream_))
+                                  num_sms_, stream_))
     return;
   if (w.dtype == t) {
     if (!gemm_.run(t, M, N, K, x.data, x.stride, w.data, w.stride, out.data, out.stride, bias ? bias->data : nullptr,
@@ -304,7 +304,7 @@ void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
 void CudaBackend::linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
   // Decode: one gated GEMV (silu_mul in its epilogue); otherwise the composition.
   set_device();
-  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, nullptr, stream_))
+  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, nullptr, num_sms_, stream_))
     return;
   Backend::linear_silu_mul(x, gate_up, gate_up_out, out);
 }
@@ -313,14 +313,14 @@ void CudaBackend::norm_linear(const Tensor& x, const RmsNorm& norm, const Linear
                               Tensor& out) {
   // Decode: the GEMV normalizes its input rows itself; otherwise the composition.
   set_device();
-  if (lw.scale.empty() && launch_gemv(x, lw.w, bias, out, GemvEpilogue::Store, &norm, stream_)) return;
+  if (lw.scale.empty() && launch_gemv(x, lw.w, bias, out, GemvEpilogue::Store, &norm, num_sms_, stream_)) return;
   Backend::norm_linear(x, norm, lw, bias, h, out);
 }
 
 void CudaBackend::norm_linear_silu_mul(const Tensor& x, const RmsNorm& norm, const Linear& gate_up, Tensor& h,
                                        Tensor& gate_up_out, Tensor& out) {
   set_device();
-  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, &norm, stream_))
+  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, &norm, num_sms_, stream_))
     return;
   Backend::norm_linear_silu_mul(x, norm, gate_up, h, gate_up_out, out);
 }

@@ -182,7 +182,7 @@ void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
 // shapes or dtypes are not the GEMV's.
 enum class GemvEpilogue { Store, Add, SiluMul };
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epilogue,
-                 const RmsNorm* norm, cudaStream_t s);
+                 const RmsNorm* norm, int num_sms, cudaStream_t s);
 // Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,

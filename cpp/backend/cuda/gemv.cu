@@ -2,7 +2,7 @@
 // x and w of the same dtype; fp32 accumulation.
 // Layout: two warps share a weight row, each streaming a contiguous half of it in 16-byte pieces (several
 // in flight per lane, read past L1) against the same pieces of every x row; a block of 8 warps takes 4
-// rows at a time. The grid is persistent (at most kBlocksPerSm blocks per SM walk the row groups), and a
+// rows at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM walk the row groups), and a
 // warp loads the first pieces of its next row before it finishes the current one, so the weight stream
 // does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
 // arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
@@ -19,7 +19,7 @@
 // the separate kernel (measured at M = 4 on the H200: 8.76 against 6.92 ms per Qwen3-8B step).
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
-// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (0: one block per row group, not persistent).
+// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 8; 0: one block per row group, not persistent).
 #include <cstdlib>
 #include <cstring>
 
@@ -41,21 +41,14 @@ bool norm_folding() {
   return on;
 }
 
-// Blocks of the persistent grid: kBlocksPerSm per SM of the calling thread's device (0: one per group).
-int64_t grid_blocks(int64_t groups) {
+// Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs.
+int64_t grid_blocks(int64_t groups, int num_sms) {
   static const int per_sm = [] {
     const char* e = std::getenv("QWEN_RT_GEMV_BLOCKS");
     return e ? std::atoi(e) : 8;
   }();
   if (per_sm <= 0) return groups;
-  thread_local int dev = -1, sms = 0;
-  int cur = 0;
-  check(cudaGetDevice(&cur), "cudaGetDevice");
-  if (cur != dev) {
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cur), "cudaDeviceGetAttribute");
-    dev = cur;
-  }
-  return std::min<int64_t>(groups, int64_t(sms) * per_sm);
+  return std::min<int64_t>(groups, int64_t(num_sms) * per_sm);
 }
 
 // A weight piece, read once: not kept in L1 (which holds x).
@@ -114,10 +107,13 @@ struct NormArgs {
   bool zc = false;
 };
 
+// Resident blocks per SM asked of the register allocator: 4 at one row, 3 at two (the measured setting).
+constexpr int min_blocks(int M) { return M == 1 ? 4 : M == 2 ? 3 : 1; }
+
 template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM>
-__global__ void __launch_bounds__(kThreads, M == 1 ? 4 : M == 2 ? 3 : 1) gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
-                                                        int64_t ldw, O* __restrict__ out, int64_t ldo, int64_t N,
-                                                        int64_t K, const void* bias, DType bias_t, NormArgs nm) {
+__global__ void __launch_bounds__(kThreads, min_blocks(M))
+    gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw, O* __restrict__ out,
+                int64_t ldo, int64_t N, int64_t K, const void* bias, DType bias_t, NormArgs nm) {
   constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
@@ -240,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 4 : M == 2 ? 3 : 1) gemv_ke
     if (lane == 0) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        part_ss[warp][m] = ss[m];
+        if constexpr (NORM) part_ss[warp][m] = ss[m];
 #pragma unroll
         for (int r = 0; r < R; ++r) part[warp][r][m] = acc[r][m];
       }
@@ -275,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, M == 1 ? 4 : M == 2 ? 3 : 1) gemv_ke
 // N: output columns (for the gated form, half the weight rows).
 template <typename T, typename O, GemvEpilogue EPI, bool NORM>
 void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, const NormArgs& nm,
-              cudaStream_t s) {
-  const unsigned blocks = unsigned(grid_blocks((N + kRowsPerGroup - 1) / kRowsPerGroup));
+              int num_sms, cudaStream_t s) {
+  const unsigned blocks = unsigned(grid_blocks((N + kRowsPerGroup - 1) / kRowsPerGroup, num_sms));
 
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
@@ -305,17 +301,17 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
 // without norm) to T.
 template <typename T, bool NORM>
 void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
-              const NormArgs& nm, cudaStream_t s) {
+              const NormArgs& nm, int num_sms, cudaStream_t s) {
   switch (epi) {
     case GemvEpilogue::Store:
-      if (out.dtype == DType::F32) launch_m<T, float, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, s);
-      else launch_m<T, T, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, s);
+      if (out.dtype == DType::F32) launch_m<T, float, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, num_sms, s);
+      else launch_m<T, T, GemvEpilogue::Store, NORM>(M, x, w, w.rows, bias, out, nm, num_sms, s);
       break;
     case GemvEpilogue::Add:
-      if constexpr (!NORM) launch_m<T, T, GemvEpilogue::Add, NORM>(M, x, w, w.rows, bias, out, nm, s);
+      if constexpr (!NORM) launch_m<T, T, GemvEpilogue::Add, NORM>(M, x, w, w.rows, bias, out, nm, num_sms, s);
       break;
     case GemvEpilogue::SiluMul:
-      launch_m<T, T, GemvEpilogue::SiluMul, NORM>(M, x, w, out.cols, nullptr, out, nm, s);
+      launch_m<T, T, GemvEpilogue::SiluMul, NORM>(M, x, w, out.cols, nullptr, out, nm, num_sms, s);
       break;
   }
 }
@@ -323,7 +319,7 @@ void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
 }  // namespace
 
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
-                 const RmsNorm* norm, cudaStream_t s) {
+                 const RmsNorm* norm, int num_sms, cudaStream_t s) {
   const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
   if (!sixteen || x.rows < 1 || x.rows > 8 || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
       !aligned16(w.data, w.stride * 2))
@@ -349,8 +345,8 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
   const int M = int(x.rows);
   auto go = [&](auto tag) {
     using T = decltype(tag);
-    if (norm) launch_t<T, true>(M, x, w, bias, out, epi, nm, s);
-    else launch_t<T, false>(M, x, w, bias, out, epi, nm, s);
+    if (norm) launch_t<T, true>(M, x, w, bias, out, epi, nm, num_sms, s);
+    else launch_t<T, false>(M, x, w, bias, out, epi, nm, num_sms, s);
   };
   if (x.dtype == DType::BF16) go(__nv_bfloat16{});
   else go(__half{});
