@@ -46,7 +46,7 @@ def main():
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        r = rows.setdefault(e.name[:90], [0, 0.0])
+        r = rows.setdefault(e.name[:140], [0, 0.0])
         r[0] += 1
         r[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     total = sum(v[1] for v in rows.values())
