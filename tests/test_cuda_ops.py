@@ -316,12 +316,13 @@ NORM_LINEAR_SHAPES = [(1, 8, 64), (2, 100, 512), (5, 1024, 4096), (6, 300, 4096)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k", NORM_LINEAR_SHAPES)
 @pytest.mark.parametrize("bias,f32_out", [(False, False), (True, False), (False, True)])
-def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
-    """rms_norm then linear, the norm folded into the decode GEMV for one or two rows: close to the CPU
-    composition, and row 0 of two is the same as row 0 alone."""
+@pytest.mark.parametrize("gain", ["gain", "unit"])
+def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain):
+    """rms_norm then linear (with a unit gain, the norm runs inside the decode GEMV for up to 8 rows):
+    close to the CPU composition, and row 0 of m is the same as row 0 alone."""
     rng = np.random.default_rng(m * 3 + n + k + bias)
     x = rand(rng, (m, k), -2, 2, act)
-    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
+    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16") if gain == "gain" else None
     w = round_to(rand(rng, (n, k), -1, 1, act) / math.sqrt(k), act)
     b = rand(rng, (1, n), -1, 1, act) if bias else None
     h = harness(DEVICE, act)
@@ -329,23 +330,45 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out):
     ref = np.asarray(cpu.norm_linear(x, nw, 1e-6, w, b, True))
     assert out.shape == (m, n)
     assert rel(out, ref) < TOL[act]
-    if act != "float32" and m <= 2:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
+    if act != "float32" and m <= 8:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
         alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
         np.testing.assert_array_equal(out[:1], alone)
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (4, 1536, 4096), (8, 256, 4096), (9, 64, 256)])
-def test_norm_linear_silu_mul(cpu, act, m, inter, k):
+@pytest.mark.parametrize("gain", ["gain", "unit"])
+def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain):
     rng = np.random.default_rng(m * 11 + inter + k)
     x = rand(rng, (m, k), -2, 2, act)
-    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
+    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16") if gain == "gain" else None
     w = round_to(rand(rng, (2 * inter, k), -1, 1, act) / math.sqrt(k), act)
     h = harness(DEVICE, act)
     out = np.asarray(h.norm_linear_silu_mul(x, nw, 1e-6, w))
     ref = np.asarray(cpu.norm_linear_silu_mul(x, nw, 1e-6, w))
     assert out.shape == (m, inter)
     assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+@pytest.mark.parametrize("zc", [False, True])
+def test_scale_columns_folds_a_norm_gain(cpu, act, zc):
+    """scale_columns multiplies each column by its gain, rounded once to the weights' dtype; a norm with a
+    unit gain in front of the scaled weights gives what the norm with the gain gives in front of the
+    original ones."""
+    rng = np.random.default_rng(17 + zc)
+    n, k = 300, 4096
+    w = round_to(rand(rng, (n, k), -1, 1, act) / math.sqrt(k), act)
+    g = rand(rng, (1, k), 0.5, 1.5, "float32")
+    h = harness(DEVICE, act)
+    scaled = np.asarray(h.scale_columns(w, g, zc))
+    np.testing.assert_array_equal(scaled, round_to(w * ((1.0 + g) if zc else g), act))
+    if zc:
+        return
+    x = rand(rng, (2, k), -2, 2, act)
+    folded = np.asarray(h.norm_linear(x, None, 1e-6, scaled, None, True))
+    ref = np.asarray(cpu.norm_linear(x, g, 1e-6, w, None, True))
+    assert rel(folded, ref) < TOL[act]
 
 
 @pytest.mark.parametrize("k", [24, 264, 4104])  # 16-byte pieces per row odd: the two half-rows differ in length
@@ -359,17 +382,16 @@ def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n):
     w = round_to(rand(rng, (2 * n, k), -1, 1, act) / math.sqrt(k), act)
     b = rand(rng, (1, n), -1, 1, act)
     res = rand(rng, (8, n), -2, 2, act)
-    nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16")
     h = harness(DEVICE, act)
     ops = {
         "linear": (lambda x_, r_: h.linear(x_, w[:n], b, act), lambda x_, r_: cpu.linear(x_, w[:n], b, "float32"), 8),
         "linear_add": (lambda x_, r_: h.linear_add(x_, w[:n], r_, act),
                        lambda x_, r_: cpu.linear_add(x_, w[:n], r_, "float32"), 8),
         "linear_silu_mul": (lambda x_, r_: h.linear_silu_mul(x_, w), lambda x_, r_: cpu.linear_silu_mul(x_, w), 8),
-        "norm_linear": (lambda x_, r_: h.norm_linear(x_, nw, 1e-6, w[:n], b, True),
-                        lambda x_, r_: cpu.norm_linear(x_, nw, 1e-6, w[:n], b, True), 2),
-        "norm_linear_silu_mul": (lambda x_, r_: h.norm_linear_silu_mul(x_, nw, 1e-6, w),
-                                 lambda x_, r_: cpu.norm_linear_silu_mul(x_, nw, 1e-6, w), 2),
+        "norm_linear": (lambda x_, r_: h.norm_linear(x_, None, 1e-6, w[:n], b, True),
+                        lambda x_, r_: cpu.norm_linear(x_, None, 1e-6, w[:n], b, True), 8),
+        "norm_linear_silu_mul": (lambda x_, r_: h.norm_linear_silu_mul(x_, None, 1e-6, w),
+                                 lambda x_, r_: cpu.norm_linear_silu_mul(x_, None, 1e-6, w), 8),
     }
     for name, (gpu_op, cpu_op, max_rows) in ops.items():
         full = np.asarray(gpu_op(x[:max_rows], res[:max_rows]))

@@ -10,6 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -24,10 +25,13 @@ struct Linear {
 };
 
 // An RMSNorm applied to a linear's input rows: rmsnorm(x) * (zero_centred ? 1 + w : w), as rms_norm.
+// unit_gain: w is all ones because the model folded the gain into the weights the norm feeds
+// (Backend::scale_columns); a backend may then skip the multiply.
 struct RmsNorm {
   Tensor w;  // [1, cols]
   float eps = 1e-6f;
   bool zero_centred = false;
+  bool unit_gain = false;
 };
 
 // RoPE: the table holds, for each position p, rot_dim/2 cosines then rot_dim/2 sines (fp32),
@@ -122,6 +126,14 @@ class Backend {
   virtual void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) = 0;
   // Converts src into dst (same shape, any float dtypes).
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
+  // Whether a model should fold RMSNorm gains into the 16-bit weights that follow them (scale_columns,
+  // then RmsNorm::unit_gain): true where the fused norm_linear is faster without a gain.
+  virtual bool folds_norm_gains() const { return false; }
+  // In place: w[r, c] *= (zero_centred ? 1 + gain[c] : gain[c]), rounded to w's dtype; gain [1, w.cols] fp32.
+  virtual void scale_columns(Tensor& w, const Tensor& gain, bool zero_centred) {
+    (void)w, (void)gain, (void)zero_centred;
+    throw std::runtime_error(name() + " backend: scale_columns is not supported");
+  }
 
   // out[i] = table[ids[i]] converted to out's dtype; ids outside [0, table.rows) give zero rows
   // (a vocab-parallel shard looks up shifted ids and the ranks' rows are summed).

@@ -81,6 +81,14 @@ class OpHarness {
     return F32Out(out, {size_t(t.rows), size_t(t.cols)}, owner);
   }
   DType act() const { return be_->act_dtype(); }
+  // A norm's gain on the device: w, or ones when w is absent (a unit gain).
+  Dev norm_gain(const std::optional<F32In>& w, int64_t cols) {
+    if (w) return up(*w, DType::F32);
+    const std::vector<float> ones(size_t(cols), 1.0f);
+    Dev d = empty(1, cols, DType::F32);
+    be_->upload(d.t.data, ones.data(), ones.size() * 4);
+    return d;
+  }
 
   Backend& be() { return *be_; }
 
@@ -146,29 +154,37 @@ void bind_op_harness(nb::module_& m) {
              h.be().linear_add(xd.t, lin, o.t);
              return h.down(o.t);
            }, "x"_a, "w"_a, "out"_a, "w_dtype"_a)
+      .def("scale_columns",
+           [](OpHarness& h, F32In w, F32In gain, bool zc) {
+             Dev wdv = h.up(w, h.act()), g = h.up(gain, DType::F32);
+             h.be().scale_columns(wdv.t, g.t, zc);
+             return h.down(wdv.t);
+           }, "w"_a, "gain"_a, "zero_centred"_a = false)
+      // norm_w None: a unit gain (RmsNorm::unit_gain, as after folding the gain into w).
       .def("norm_linear",
-           [](OpHarness& h, F32In x, F32In norm_w, float eps, F32In w, std::optional<F32In> bias, bool f32_out) {
-             Dev xd = h.up(x, h.act()), nw = h.up(norm_w, DType::F32), wdv = h.up(w, h.act());
+           [](OpHarness& h, F32In x, std::optional<F32In> norm_w, float eps, F32In w, std::optional<F32In> bias,
+              bool f32_out) {
+             Dev xd = h.up(x, h.act()), nw = h.norm_gain(norm_w, xd.t.cols), wdv = h.up(w, h.act());
              std::optional<Dev> bd;
              if (bias) bd = h.up(*bias, DType::F32);
              Dev hd = h.empty(xd.t.rows, xd.t.cols, h.act());
              Dev o = h.empty(xd.t.rows, wdv.t.rows, f32_out ? DType::F32 : h.act());
              Linear lin;
              lin.w = wdv.t;
-             h.be().norm_linear(xd.t, RmsNorm{nw.t, eps, false}, lin, bd ? &bd->t : nullptr, hd.t, o.t);
+             h.be().norm_linear(xd.t, RmsNorm{nw.t, eps, false, !norm_w}, lin, bd ? &bd->t : nullptr, hd.t, o.t);
              return h.down(o.t);
-           }, "x"_a, "norm_w"_a, "eps"_a, "w"_a, "bias"_a.none(), "f32_out"_a = false)
+           }, "x"_a, "norm_w"_a.none(), "eps"_a, "w"_a, "bias"_a.none(), "f32_out"_a = false)
       .def("norm_linear_silu_mul",
-           [](OpHarness& h, F32In x, F32In norm_w, float eps, F32In w) {
-             Dev xd = h.up(x, h.act()), nw = h.up(norm_w, DType::F32), wdv = h.up(w, h.act());
+           [](OpHarness& h, F32In x, std::optional<F32In> norm_w, float eps, F32In w) {
+             Dev xd = h.up(x, h.act()), nw = h.norm_gain(norm_w, xd.t.cols), wdv = h.up(w, h.act());
              Dev hd = h.empty(xd.t.rows, xd.t.cols, h.act());
              Dev gu = h.empty(xd.t.rows, wdv.t.rows, h.act());
              Dev o = h.empty(xd.t.rows, wdv.t.rows / 2, h.act());
              Linear lin;
              lin.w = wdv.t;
-             h.be().norm_linear_silu_mul(xd.t, RmsNorm{nw.t, eps, false}, lin, hd.t, gu.t, o.t);
+             h.be().norm_linear_silu_mul(xd.t, RmsNorm{nw.t, eps, false, !norm_w}, lin, hd.t, gu.t, o.t);
              return h.down(o.t);
-           }, "x"_a, "norm_w"_a, "eps"_a, "gate_up"_a)
+           }, "x"_a, "norm_w"_a.none(), "eps"_a, "gate_up"_a)
       .def("linear_silu_mul",
            [](OpHarness& h, F32In x, F32In w) {
              Dev xd = h.up(x, h.act()), wdv = h.up(w, h.act());

@@ -100,15 +100,35 @@ void QwenModel::load_weights(const Progress& progress) {
     return t;
   };
   embed_ = load_vocab_shard(pre + "embed_tokens.weight");
+  // 16-bit weights on a backend that wants it: each norm's gain is multiplied into the columns of the
+  // matrix it feeds, and the norm keeps a gain of ones (RmsNorm::unit_gain). Gains loaded for folding go
+  // through two staging tensors, not kept. (Load order stays that of the checkpoint walk: dummy weights
+  // draw their seeds in that order.)
+  gains_folded_ = be_.folds_norm_gains() && wt == be_.act_dtype() && (wt == DType::BF16 || wt == DType::F16);
+  Tensor staged[2];
+  if (gains_folded_) {
+    unit_gain_ = alloc_tensor(nt, 1, H);
+    be_.fill_random(unit_gain_, 0, 0.f, 1.0f, 0, 0);  // exactly 1: fma(0, u, 1)
+    for (Tensor& t : staged) t = alloc_tensor(nt, 1, H);
+  }
+  auto load_gain = [&](const std::string& name, int stage) {
+    Tensor g = gains_folded_ ? staged[stage] : alloc_tensor(nt, 1, H);
+    load(name, 1, H, 0, 0, g, 0.f, norm_one);
+    return g;
+  };
+  // The norm with gain g that feeds w: g itself, or the unit gain once g is folded into w.
+  auto fold = [&](const Tensor& g, Tensor& w) {
+    if (!gains_folded_) return g;
+    be_.scale_columns(w, g, false);
+    return unit_gain_;
+  };
   layers_.resize(cfg_.num_layers);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     if (progress) progress("loading weights", l, cfg_.num_layers);
     Layer& L = layers_[l];
     const std::string p = pre + "layers." + std::to_string(l) + ".";
-    L.input_norm = alloc_tensor(nt, 1, H);
-    load(p + "input_layernorm.weight", 1, H, 0, 0, L.input_norm, 0.f, norm_one);
-    L.post_norm = alloc_tensor(nt, 1, H);
-    load(p + "post_attention_layernorm.weight", 1, H, 0, 0, L.post_norm, 0.f, norm_one);
+    const Tensor input_gain = load_gain(p + "input_layernorm.weight", 0);
+    const Tensor post_gain = load_gain(p + "post_attention_layernorm.weight", 1);
     const int qn = q_heads_ * D, kn = kv_heads_ * D;
     L.qkv.w = alloc_tensor(wt, qn + 2 * kn, H);
     load(p + "self_attn.q_proj.weight", int64_t(Hq) * D, H, int64_t(q_head0_) * D, 0, L.qkv.w.row_slice(0, qn), ws, 0.f);
@@ -135,13 +155,16 @@ void QwenModel::load_weights(const Progress& progress) {
     load(p + "mlp.up_proj.weight", I, H, inter0_, 0, L.gate_up.w.row_slice(inter_, inter_), ws, 0.f);
     L.down.w = alloc_tensor(wt, H, inter_);
     load(p + "mlp.down_proj.weight", H, I, 0, inter0_, L.down.w, ws, 0.f);
+    L.input_norm = fold(input_gain, L.qkv.w);
+    L.post_norm = fold(post_gain, L.gate_up.w);
   }
-  final_norm_ = alloc_tensor(nt, 1, H);
-  load(pre + "norm.weight", 1, H, 0, 0, final_norm_, 0.f, norm_one);
-  if (cfg_.tie_embeddings) {
+  const Tensor final_gain = load_gain(pre + "norm.weight", 0);
+  if (cfg_.tie_embeddings) {  // the LM head is the embedding table: the gain stays in the norm
     lm_head_.w = embed_;
+    final_norm_ = final_gain;  // (staged[0] is not reused after this)
   } else {
     lm_head_.w = load_vocab_shard("lm_head.weight");
+    final_norm_ = fold(final_gain, lm_head_.w);
   }
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();
@@ -276,20 +299,20 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
   if (n > 1) comm_.all_reduce_sum(res);
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const Layer& L = layers_[l];
-    be_.norm_linear(res, RmsNorm{L.input_norm, eps}, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, h, qkv);
+    be_.norm_linear(res, RmsNorm{L.input_norm, eps, false, gains_folded_}, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, h, qkv);
     KvLayer cache = kv.layer(l);
     be_.finish_qkv(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
                    d_positions_, rope_, b, cache);
     be_.attention(q, cache, b, shape, attn);
     add_to_residual(attn, L.o);
-    be_.norm_linear_silu_mul(res, RmsNorm{L.post_norm, eps}, L.gate_up, h, gu, act);
+    be_.norm_linear_silu_mul(res, RmsNorm{L.post_norm, eps, false, gains_folded_}, L.gate_up, h, gu, act);
     add_to_residual(act, L.down);
   }
   // Only the rows that sample need the final norm and the LM head.
   if (R == 0) return;
   Tensor sr = sel_res_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
   be_.gather_rows(res, d_logit_rows_, sr);
-  const RmsNorm final_norm{final_norm_, eps};
+  const RmsNorm final_norm{final_norm_, eps, false, gains_folded_ && !cfg_.tie_embeddings};
   if (n == 1) {
     Tensor logits = logits_.row_slice(0, R);
     be_.norm_linear(sr, final_norm, lm_head_, nullptr, sh, logits);

@@ -83,6 +83,8 @@ class QwenModel {
   size_t weight_bytes_ = 0;
   uint64_t dummy_counter_ = 0;
   Tensor embed_, final_norm_;
+  bool gains_folded_ = false;  // norm gains multiplied into the matrices they feed (load_weights)
+  Tensor unit_gain_;           // [1, hidden] of ones, the folded norms' gain
   Linear lm_head_;
   std::vector<Layer> layers_;
   Tensor rope_table_;

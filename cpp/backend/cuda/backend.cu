@@ -202,6 +202,13 @@ void CudaBackend::convert(const Tensor& src, Tensor& dst) {
   launch_convert(src, dst, stream_);
 }
 
+bool CudaBackend::folds_norm_gains() const { return gemv_folds_norms(); }
+
+void CudaBackend::scale_columns(Tensor& w, const Tensor& gain, bool zero_centred) {
+  set_device();
+  launch_scale_columns(w, gain, zero_centred, stream_);
+}
+
 void CudaBackend::embedding(const int32_t* ids, const Tensor& table, Tensor& out) {
   set_device();
   launch_embedding(ids, table, out, stream_);
@@ -311,7 +318,7 @@ void CudaBackend::linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor
 
 void CudaBackend::norm_linear(const Tensor& x, const RmsNorm& norm, const Linear& lw, const Tensor* bias, Tensor& h,
                               Tensor& out) {
-  // Decode: the GEMV normalizes its input rows itself; otherwise the composition.
+  // Decode with a folded gain: the GEMV normalizes its input rows itself; otherwise the composition.
   set_device();
   if (lw.scale.empty() && launch_gemv(x, lw.w, bias, out, GemvEpilogue::Store, &norm, num_sms_, stream_)) return;
   Backend::norm_linear(x, norm, lw, bias, h, out);

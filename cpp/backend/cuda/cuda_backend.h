@@ -34,6 +34,8 @@ class CudaBackend final : public Backend {
   bool supports_head_dim(int d) const override { return d == 64 || d == 128 || d == 256; }
   void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) override;
   void convert(const Tensor& src, Tensor& dst) override;
+  bool folds_norm_gains() const override;
+  void scale_columns(Tensor& w, const Tensor& gain, bool zero_centred) override;
   void embedding(const int32_t* ids, const Tensor& table, Tensor& out) override;
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zero_centred, Tensor& out) override;
   void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, bool zero_centred,

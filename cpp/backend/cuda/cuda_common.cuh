@@ -170,6 +170,7 @@ void dispatch_act(DType t, const char* op, F&& f) {
 void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0,
                         cudaStream_t s);
 void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s);
+void launch_scale_columns(Tensor& w, const Tensor& gain, bool zc, cudaStream_t s);
 void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s);
 void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w, float eps, bool zc,
                      Tensor* residual, Tensor& out, cudaStream_t s);
@@ -178,9 +179,12 @@ void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTa
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
 // Few-row linear (M <= 8, 16-bit x and w, gemv.cu): out = x @ w^T (+ bias) stored, added to out (Add:
 // linear_add), or, for SiluMul, out = silu(x . w[:N]^T) * (x . w[N:]^T) with N = out.cols. With norm, the rows
-// of x are RMS-normalized first, inside the kernel (norm_linear). Returns false (nothing launched) when the
-// shapes or dtypes are not the GEMV's.
+// of x are RMS-normalized first, inside the kernel (norm_linear; only a norm with unit_gain, and only when
+// gemv_folds_norms()). Returns false (nothing launched) when the shapes, dtypes or norm are not the GEMV's.
 enum class GemvEpilogue { Store, Add, SiluMul };
+// Whether norm_linear GEMVs normalize inside the kernel (QWEN_RT_NORM_GEMV=off: no); models fold the
+// gains into the weights only then.
+bool gemv_folds_norms();
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epilogue,
                  const RmsNorm* norm, int num_sms, cudaStream_t s);
 // Fused Backend::finish_qkv; returns false (nothing launched) for shapes it does not take.

@@ -6,17 +6,18 @@
 // warp loads the first pieces of its next row before it finishes the current one, so the weight stream
 // does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
 // arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
-// norm, among M <= kNormMaxRows). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
+// norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
 // step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches
 // there, but chained launches slowed the whole decode step: QWEN_RT_PDL stays off).
 // Epilogues: Store; Add (out += the product rounded to out's dtype, what linear then add gives); SiluMul
 // (warp n also streams row n + N and writes silu(g) * u of the two rounded results, what linear then
 // silu_mul gives).
-// Folded norm (norm_linear, M <= kNormMaxRows): each warp takes the sum of squares of its half of the x
-// rows as it streams them, multiplies x by the gain on the fly, and the two halves' sums scale the dot
-// products by 1/rms at the end (the normalized rows are not rounded to x's dtype). Beyond kNormMaxRows
-// the composition (rms_norm, then the GEMV) runs: the extra arithmetic per weight piece costs more than
-// the separate kernel (measured at M = 4 on the H200: 8.76 against 6.92 ms per Qwen3-8B step).
+// Folded norm (norm_linear with RmsNorm::unit_gain: the gain is already in w): each block first sums the
+// squares of the x rows (every thread a fixed set of pieces, the warps' sums added in a fixed order), and
+// the dot products are scaled by 1/rms at the end (the normalized rows are not rounded to x's dtype); the
+// streaming loop is the plain one. A norm with a gain runs as the composition (rms_norm, then the GEMV).
+// Measured before (gain and sums of squares inside the streaming loop, 1-2 rows): Qwen3-8B batch 1 q|k|v
+// GEMV 19.3 us against 13.7 us without a norm (profile at 9335681).
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
 // QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 8; 0: one block per row group, not persistent).
@@ -31,15 +32,6 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kSplit = 2;       // warps per weight row
 constexpr int kRowsPerGroup = kThreads / 32 / kSplit;
-constexpr int kNormMaxRows = 2;
-
-bool norm_folding() {
-  static const bool on = [] {
-    const char* e = std::getenv("QWEN_RT_NORM_GEMV");
-    return !(e && std::strcmp(e, "off") == 0);
-  }();
-  return on;
-}
 
 // Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs.
 int64_t grid_blocks(int64_t groups, int num_sms) {
@@ -86,25 +78,8 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-// 8 fp32 values of x against 8 elements of w.
-template <typename T>
-__device__ __forceinline__ float dot8f(const float* a, const uint4& b) {
-  using P = Pair<T>;
-  const typename P::type* pb = reinterpret_cast<const typename P::type*>(&b);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = P::f2(pb[i]);
-    s = fmaf(a[2 * i], v.x, s);
-    s = fmaf(a[2 * i + 1], v.y, s);
-  }
-  return s;
-}
-
 struct NormArgs {
-  const float* w = nullptr;  // the gain, fp32
   float eps = 0.f;
-  bool zc = false;
 };
 
 // Resident blocks per SM asked of the register allocator: 4 at one row, 3 at two (the measured setting).
@@ -146,44 +121,47 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
   uint4 wv[R][U];
   if (g < groups && full(lane)) load(wr, lane, wv);
   grid_wait();
-  for (; g < groups; g += gridDim.x) {
-    float acc[R][M], ss[M];  // ss: NORM, the sums of squares of this half of the x rows
+  // NORM: 1/rms of x row `lane` (lane < M), the same arithmetic whatever M and the grid.
+  float inv_rms = 1.0f;
+  if constexpr (NORM) {
+    float ss[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) ss[m] = 0.f;
+    for (int p = threadIdx.x; p < chunks; p += kThreads)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        Vec16<T> xv;
+        xv.load(x + m * ldx + int64_t(p) * 8);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss[m] = fmaf(xv.f[k], xv.f[k], ss[m]);
+      }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      ss[m] = 0.f;
+      ss[m] = warp_sum(ss[m]);
+      if (lane == 0) part_ss[warp][m] = ss[m];
+    }
+    __syncthreads();
+    if (lane < M) {
+      float t = 0.f;
+#pragma unroll
+      for (int w8 = 0; w8 < kWarps; ++w8) t += part_ss[w8][lane];
+      inv_rms = 1.0f / sqrtf(t / float(K) + nm.eps);
+    }
+  }
+  for (; g < groups; g += gridDim.x) {
+    float acc[R][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
-    }
     // One piece (index within this half) of every x row against the weight pieces wp[r].
     auto multiply = [&](int c, const uint4 (&wp)[R]) {
       const int piece = lo + c;
-      if constexpr (NORM) {
-        const float4* gp = reinterpret_cast<const float4*>(nm.w + piece * 8);
-        const float4 g0 = __ldg(gp), g1 = __ldg(gp + 1);
-        float gain[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-        if (nm.zc)
 #pragma unroll
-          for (int k = 0; k < 8; ++k) gain[k] += 1.0f;
+      for (int m = 0; m < M; ++m) {
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + piece);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          Vec16<T> xv;
-          xv.load(x + m * ldx + piece * 8);
-          float xg[8];
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            ss[m] = fmaf(xv.f[k], xv.f[k], ss[m]);
-            xg[k] = xv.f[k] * gain[k];
-          }
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][m] += dot8f<T>(xg, wp[r]);
-        }
-      } else {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * ldx) + piece);
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wp[r]);
-        }
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8<T>(xv, wp[r]);
       }
     };
     auto multiply_all = [&](int c0, const uint4 (&v)[R][U]) {
@@ -228,25 +206,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
     }
     // The two halves meet in shared memory; warp half 0 adds them (in that order) and writes.
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r][m] = warp_sum(acc[r][m]);
-      if constexpr (NORM) ss[m] = warp_sum(ss[m]);
-    }
     if (lane == 0) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        if constexpr (NORM) part_ss[warp][m] = ss[m];
+      for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) part[warp][r][m] = acc[r][m];
-      }
     }
     __syncthreads();
     const int64_t n = int64_t(g) * kRowsPerGroup + row;
     if (half == 0 && lane < M && n < N) {
       const int m = lane, o0 = warp, o1 = warp + 1;
-      float inv = 1.0f;
-      if constexpr (NORM) inv = 1.0f / sqrtf((part_ss[o0][m] + part_ss[o1][m]) / float(K) + nm.eps);
+      const float inv = inv_rms;
       const float s = (part[o0][0][m] + part[o1][0][m]) * inv;
       O* o = out + m * ldo + n;
       if constexpr (GATED) {
@@ -280,20 +253,15 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
-  if constexpr (NORM) {  // M <= kNormMaxRows
-    if (M == 1) go(gemv_kernel<T, O, 1, EPI, NORM>);
-    else go(gemv_kernel<T, O, 2, EPI, NORM>);
-  } else {
-    switch (M) {
-      case 1: go(gemv_kernel<T, O, 1, EPI, NORM>); break;
-      case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
-      case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
-      case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
-      case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
-      case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
-      case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
-      default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
-    }
+  switch (M) {
+    case 1: go(gemv_kernel<T, O, 1, EPI, NORM>); break;
+    case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
+    case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
+    case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
+    case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
+    case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
+    case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
+    default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
   }
 }
 
@@ -318,6 +286,14 @@ void launch_t(int M, const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
 
 }  // namespace
 
+bool gemv_folds_norms() {
+  static const bool on = [] {
+    const char* e = std::getenv("QWEN_RT_NORM_GEMV");
+    return !(e && std::strcmp(e, "off") == 0);
+  }();
+  return on;
+}
+
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
                  const RmsNorm* norm, int num_sms, cudaStream_t s) {
   const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
@@ -337,10 +313,8 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
   }
   NormArgs nm;
   if (norm) {
-    if (!norm_folding() || x.rows > kNormMaxRows || norm->w.cols < w.cols || norm->w.dtype != DType::F32 ||
-        !aligned16(norm->w.data, 0))
-      return false;
-    nm = NormArgs{norm->w.ptr<float>(), norm->eps, norm->zero_centred};
+    if (!gemv_folds_norms() || !norm->unit_gain) return false;
+    nm = NormArgs{norm->eps};
   }
   const int M = int(x.rows);
   auto go = [&](auto tag) {

@@ -32,6 +32,14 @@ __global__ void convert_kernel(const void* src, DType st, int64_t ss, void* dst,
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store_any(dst, dt, r * ds + c, load_any(src, st, r * ss + c));
 }
 
+__global__ void scale_columns_kernel(void* w, DType t, int64_t stride, int64_t cols, const float* gain, bool zc) {
+  const int64_t r = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = zc ? 1.0f + gain[c] : gain[c];
+    store_any(w, t, r * stride + c, load_any(w, t, r * stride + c) * g);
+  }
+}
+
 __global__ void embedding_kernel(const int32_t* ids, const void* table, DType tt, int64_t ts, int64_t trows,
                                  void* out, DType ot, int64_t os, int64_t cols) {
   grid_release();
@@ -247,6 +255,15 @@ void launch_convert(const Tensor& src, Tensor& dst, cudaStream_t s) {
   convert_kernel<<<unsigned(src.rows), threads_for(src.cols), 0, s>>>(src.data, src.dtype, src.stride, dst.data,
                                                                        dst.dtype, dst.stride, src.cols);
   check_launch("convert");
+}
+
+void launch_scale_columns(Tensor& w, const Tensor& gain, bool zc, cudaStream_t s) {
+  QRT_CHECK(gain.dtype == DType::F32 && gain.cols >= w.cols, "cuda scale_columns: the gain must be float32 with ",
+            w.cols, " columns");
+  if (w.rows == 0) return;
+  scale_columns_kernel<<<unsigned(w.rows), threads_for(w.cols), 0, s>>>(w.data, w.dtype, w.stride, w.cols,
+                                                                        gain.ptr<float>(), zc);
+  check_launch("scale_columns");
 }
 
 void launch_embedding(const int32_t* ids, const Tensor& table, Tensor& out, cudaStream_t s) {
