@@ -484,6 +484,7 @@ DECODE_CASES = [
     ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8),  # GQA 2, page edges
     ([1] * 17, list(range(3, 3 + 17 * 61, 61)), 16, 16, 128, 16),  # GQA 1, many sequences
     ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16 (two head groups per block)
+    ([1, 1], [900, 64], 64, 2, 128, 16),  # GQA 32: beyond the decode kernel's 16 rows, the rows kernel
 ]
 
 PREFILL_CASES = [

@@ -1,7 +1,9 @@
-// Causal paged attention on the GPU. Two kernels:
+// Causal paged attention on the GPU. Three kernels:
 // - rows kernel: one block per (query row, kv head, split of the keys); the GQA group of query heads
 //   shares each K/V tile; FMA math. Used for decode batches (split over the keys, flash-decoding,
 //   then a combine kernel) and for fp32 (the exactness mode).
+// - decode kernel (bf16/fp16, one query row per sequence): the rows kernel's job on tensor cores, K and V
+//   read straight into mma fragments; the same split and combine.
 // - tile kernel (bf16/fp16): FlashAttention-2 style; a block holds 128 (token, head) rows of one
 //   sequence and one kv head, streams K/V pages through shared memory (cp.async, two stages) and
 //   computes QK^T and PV with mma.sync m16n8k16 tensor-core instructions, online softmax in fp32.
@@ -594,6 +596,215 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
 }
 
 // ================================================================================================
+// Decode kernel (tensor cores): one query row per sequence (decode steps)
+// ================================================================================================
+// One block per (query row, kv head, split of the keys); its 4 warps take turns over steps of 16 keys.
+// Per step a warp multiplies the GQA group's query heads (the 16 rows of mma.m16n8k16, heads beyond the
+// group are zero) with 16 keys and the probabilities with 16 values, reading K and V straight from the
+// paged cache into registers in 16-byte pieces (no shared memory): the head dimensions are permuted so
+// that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B; PV: a lane holds
+// 8 dims of 4 keys and pairs them with byte permutes). The warps' softmax states meet in shared memory
+// in a fixed order. Scores are kept in log2 units, like the rows kernel (the combine kernel reads both).
+constexpr int kDecWarps = 4;
+constexpr int kDecKeys = 16;                       // keys per warp step
+constexpr int kDecGranule = kDecWarps * kDecKeys;  // a split's keys are a multiple of this
+constexpr int kDecMaxGroup = 16;                   // query heads per kv head (the mma rows)
+
+__device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDecWarps * 32) attn_decode_kernel(const RowsArgs a) {
+  grid_release();
+  grid_wait();
+  constexpr int KS = D / 16;  // k-steps of QK
+  constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
+  constexpr int NT = D / 8;   // n-tiles of O
+  constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
+  __shared__ float o_s[kDecWarps][16][LDO];
+  __shared__ float m_s[kDecWarps][16], l_s[kDecWarps][16];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  const int split = blockIdx.x, kvh = blockIdx.y, row = blockIdx.z;
+  const int G = a.group, h0 = kvh * G;
+  const int s = find_seq(a.q_start, a.num_seqs, row);
+  const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
+  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+  chunk = (chunk + kDecGranule - 1) / kDecGranule * kDecGranule;
+  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+
+  if (k_begin >= k_end) {  // empty split (or no keys at all)
+    if (a.nsplit > 1) {
+      if (tid < G) {
+        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                    ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+        ml[0] = -INFINITY;
+        ml[1] = 0.f;
+      }
+    } else {
+      T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+      for (int i = tid; i < G * D; i += kDecWarps * 32) o[i] = from_f<T>(0.f);
+    }
+    return;
+  }
+
+  // Q as A fragments. Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig + 1) is dims 32 i + 8 tig + 4 c
+  // + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece 32 i + 8 tig is two k-steps.
+  uint32_t qa[KS][4];
+  {
+    const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      const uint4 lo = gid < G ? load16(qr + gid * D + 32 * i + 8 * tig) : zero;
+      const uint4 hi = gid + 8 < G ? load16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
+      qa[2 * i][0] = lo.x, qa[2 * i][1] = hi.x, qa[2 * i][2] = lo.y, qa[2 * i][3] = hi.y;
+      qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = hi.z, qa[2 * i + 1][2] = lo.w, qa[2 * i + 1][3] = hi.w;
+    }
+  }
+
+  const int64_t kv_cols = int64_t(a.kv_heads) * D;
+  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
+  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
+  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+  // Cache row of key j; keys past k_end read key k_begin's row (finite values, masked or weighted 0).
+  auto key_row = [&](int j) {
+    j = j < k_end ? j : k_begin;
+    return int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
+  };
+
+  float o[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
+
+  for (int k0 = k_begin + warp * kDecKeys; k0 < k_end; k0 += kDecGranule) {
+    // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
+    // dims 64 g + 8 gid .. + 8 of it.
+    uint4 kv[2][D / 32], vv[4][NG];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const T* kr = kbase + key_row(k0 + 8 * t + gid) * kv_cols + 8 * tig;
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const T* vr = vbase + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * kv_cols + 8 * gid;
+#pragma unroll
+      for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
+    }
+    // S = Q K^T: sc[t][0..1] row gid, keys k0 + 8 t + 2 tig + {0, 1}; sc[t][2..3] row gid + 8.
+    float sc[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint4& k = kv[t][ks / 2];
+        const uint32_t b0 = ks % 2 == 0 ? k.x : k.z, b1 = ks % 2 == 0 ? k.y : k.w;
+        mma16816<T>(sc[t], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sc[t][e] = k0 + 8 * t + 2 * tig + (e & 1) < k_end ? sc[t][e] * a.scale_log2 : -INFINITY;
+    }
+    // Online softmax over the 16 keys (a row's 16 scores sit in the 4 lanes of one tig group).
+    float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+    float mx1 = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float b0 = n0 == -INFINITY ? 0.f : n0, b1 = n1 == -INFINITY ? 0.f : n1;
+    const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
+    m0 = n0;
+    m1 = n1;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      sc[t][0] = exp2f(sc[t][0] - b0);
+      sc[t][1] = exp2f(sc[t][1] - b0);
+      sc[t][2] = exp2f(sc[t][2] - b1);
+      sc[t][3] = exp2f(sc[t][3] - b1);
+    }
+    l0 = l0 * al0 + (sc[0][0] + sc[0][1]) + (sc[1][0] + sc[1][1]);
+    l1 = l1 * al1 + (sc[0][2] + sc[0][3]) + (sc[1][2] + sc[1][3]);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      o[t][0] *= al0;
+      o[t][1] *= al0;
+      o[t][2] *= al1;
+      o[t][3] *= al1;
+    }
+    // O += P V: P's A fragment is S's accumulator layout; n-tile 8 g + j's column gid is dim 64 g + 8 gid + j.
+    const uint32_t pa0 = pack2<T>(sc[0][0], sc[0][1]), pa1 = pack2<T>(sc[0][2], sc[0][3]);
+    const uint32_t pa2 = pack2<T>(sc[1][0], sc[1][1]), pa3 = pack2<T>(sc[1][2], sc[1][3]);
+#pragma unroll
+    for (int g = 0; g < NG; ++g)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const unsigned sel = j % 2 == 0 ? 0x5410u : 0x7632u;
+        const uint32_t vb0 = __byte_perm(word(vv[0][g], j / 2), word(vv[1][g], j / 2), sel);
+        const uint32_t vb1 = __byte_perm(word(vv[2][g], j / 2), word(vv[3][g], j / 2), sel);
+        mma16816<T>(o[8 * g + j], pa0, pa1, pa2, pa3, vb0, vb1);
+      }
+  }
+
+  // The warps meet: o[8 g + j][0..1] is row gid, dims 64 g + 16 tig + j and + 8 (rows gid + 8: [2..3]).
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  if (tig == 0) {
+    m_s[warp][gid] = m0;
+    m_s[warp][gid + 8] = m1;
+    l_s[warp][gid] = l0;
+    l_s[warp][gid + 8] = l1;
+  }
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int d = 64 * g + 16 * tig + j;
+      o_s[warp][gid][d] = o[8 * g + j][0];
+      o_s[warp][gid][d + 8] = o[8 * g + j][1];
+      o_s[warp][gid + 8][d] = o[8 * g + j][2];
+      o_s[warp][gid + 8][d + 8] = o[8 * g + j][3];
+    }
+  __syncthreads();
+  for (int i = tid; i < G * D; i += kDecWarps * 32) {
+    const int h = i / D, d = i - h * D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) M = fmaxf(M, m_s[w][h]);
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) {
+      if (m_s[w][h] == -INFINITY) continue;  // a warp without keys
+      const float f = exp2f(m_s[w][h] - M);
+      num = fmaf(f, o_s[w][h][d], num);
+      den = fmaf(f, l_s[w][h], den);
+    }
+    const float v = num / den;
+    if (a.nsplit == 1) {
+      static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + h) * D + d] = from_f<T>(v);
+    } else {
+      a.part[((size_t(row) * a.q_heads + h0 + h) * a.nsplit + split) * D + d] = v;
+      if (d == 0) {
+        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                    ((size_t(row) * a.q_heads + h0 + h) * a.nsplit + split) * 2;
+        ml[0] = M;
+        ml[1] = den;
+      }
+    }
+  }
+}
+
+// ================================================================================================
 // Host side
 // ================================================================================================
 int choose_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
@@ -604,6 +815,27 @@ int choose_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   const int64_t target = int64_t(4) * num_sms;
   int64_t n = (target + base - 1) / base;
   n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + 31) / 32);
+  n = std::min<int64_t>(n, kMaxSplits);
+  return int(std::max<int64_t>(n, 1));
+}
+
+// The decode kernel takes one-query-row batches of 16-bit heads of 64 or 128 dims, up to 16 query heads per
+// kv head, 16-byte aligned q rows (QWEN_RT_DECODE_ATTN=rows: the rows kernel instead, for comparison).
+bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_bytes) {
+  static const bool off = [] {
+    const char* e = std::getenv("QWEN_RT_DECODE_ATTN");
+    return e && std::strcmp(e, "rows") == 0;
+  }();
+  return !off && elem_bytes == 2 && b.max_q_len == 1 && (sh.head_dim == 64 || sh.head_dim == 128) &&
+         sh.q_heads / sh.kv_heads <= kDecMaxGroup;
+}
+
+// Splits for the decode kernel: enough blocks for two per SM, each split at least a granule of keys.
+int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  const int64_t base = int64_t(b.num_tokens) * sh.kv_heads;
+  if (base <= 0) return 1;
+  int64_t n = (int64_t(2) * num_sms + base - 1) / base;
+  n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + kDecGranule - 1) / kDecGranule);
   n = std::min<int64_t>(n, kMaxSplits);
   return int(std::max<int64_t>(n, 1));
 }
@@ -671,6 +903,27 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   }
 }
 
+template <typename T, int D>
+void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
+  RowsArgs a;
+  attn_args(a, q, cache, b, sh, out);
+  a.num_seqs = b.num_seqs;
+  a.gsubs = 1;
+  a.q_heads = sh.q_heads;
+  a.part = ws.partial;
+  a.nsplit = nsplit;
+  a.num_tokens = b.num_tokens;
+  dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads), unsigned(b.num_tokens));
+  launch_chained(attn_decode_kernel<T, D>, grid, kDecWarps * 32, 0, st, a);
+  check_launch("attention (decode)");
+  if (nsplit > 1) {
+    launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial, b.num_tokens,
+                   sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
+    check_launch("attention (combine)");
+  }
+}
+
 template <typename T, int D, int BM>
 void run_tile_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
                    cudaStream_t st) {
@@ -714,9 +967,17 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
       }
     }
   }
-  int nsplit = choose_splits(b, sh, num_sms);
+  const bool decode = aligned && decode_kernel_takes(b, sh, sizeof(T));
+  int nsplit = decode ? decode_splits(b, sh, num_sms) : choose_splits(b, sh, num_sms);
   const size_t need = size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
   if (nsplit > 1 && (ws.partial == nullptr || ws.bytes < need)) nsplit = 1;
+  if constexpr (sizeof(T) == 2) {
+    if (decode) {
+      if (sh.head_dim == 64) run_decode<T, 64>(q, cache, b, sh, out, ws, nsplit, st);
+      else run_decode<T, 128>(q, cache, b, sh, out, ws, nsplit, st);
+      return;
+    }
+  }
   switch (sh.head_dim) {
     case 64: run_rows<T, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
     case 128: run_rows<T, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
@@ -728,7 +989,9 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
 
 size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   if (b.num_tokens <= 0 || sh.kv_heads <= 0 || sh.q_heads % sh.kv_heads != 0) return 0;
-  const int nsplit = choose_splits(b, sh, num_sms);
+  // Either kernel may run (the decode kernel only for 16-bit activations, which this does not know).
+  const int nsplit = std::max(choose_splits(b, sh, num_sms),
+                              decode_kernel_takes(b, sh, 2) ? decode_splits(b, sh, num_sms) : 1);
   if (nsplit <= 1) return 0;
   return size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
 }
