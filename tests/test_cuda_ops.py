@@ -485,6 +485,10 @@ DECODE_CASES = [
     ([1] * 17, list(range(3, 3 + 17 * 61, 61)), 16, 16, 128, 16),  # GQA 1, many sequences
     ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16 (two head groups per block)
     ([1, 1], [900, 64], 64, 2, 128, 16),  # GQA 32: beyond the decode kernel's 16 rows, the rows kernel
+    # Batches large enough (on 132 SMs) for the decode kernel's 2 and 1 warps per (row, kv head), the last
+    # block partly empty:
+    ([1] * 270, [3 + (i * 37) % 250 for i in range(270)], 32, 2, 128, 16),
+    ([1] * 529, [1 + (i * 53) % 300 for i in range(529)], 32, 2, 128, 16),
 ]
 
 PREFILL_CASES = [

@@ -598,13 +598,16 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
 // ================================================================================================
 // Decode kernel (tensor cores): one query row per sequence (decode steps)
 // ================================================================================================
-// One block per (query row, kv head, split of the keys); its 4 warps take turns over steps of 16 keys.
-// Per step a warp multiplies the GQA group's query heads (the 16 rows of mma.m16n8k16, heads beyond the
-// group are zero) with 16 keys and the probabilities with 16 values, reading K and V straight from the
-// paged cache into registers in 16-byte pieces (no shared memory): the head dimensions are permuted so
-// that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B; PV: a lane holds
-// 8 dims of 4 keys and pairs them with byte permutes). The warps' softmax states meet in shared memory
-// in a fixed order. Scores are kept in log2 units, like the rows kernel (the combine kernel reads both).
+// A block has 4 warps. WPR (warps per row) 4: the block is one (query row, kv head, split of the keys), its
+// warps taking turns over steps of 16 keys (small batches, long contexts); WPR 2 or 1: the block holds 2 or
+// 4 (row, kv head) pairs, every pair's keys in one split (large batches: a warp walks many steps, so loads
+// stay in flight). Per step a warp multiplies the GQA group's query heads (the 16 rows of mma.m16n8k16,
+// heads beyond the group are zero) with 16 keys and the probabilities with 16 values, reading K and V
+// straight from the paged cache into registers in 16-byte pieces (no shared memory): the head dimensions
+// are permuted so that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B;
+// PV: a lane holds 8 dims of 4 keys and pairs them with byte permutes). A pair's warps meet in shared
+// memory in a fixed order. Scores are kept in log2 units, like the rows kernel (the combine kernel reads
+// both).
 constexpr int kDecWarps = 4;
 constexpr int kDecKeys = 16;                       // keys per warp step
 constexpr int kDecGranule = kDecWarps * kDecKeys;  // a split's keys are a multiple of this
@@ -615,38 +618,59 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kDecWarps * 32) attn_decode_kernel(const RowsArgs a) {
+template <typename T, int D, int WPR>
+__global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const RowsArgs a) {
   grid_release();
   grid_wait();
   constexpr int KS = D / 16;  // k-steps of QK
   constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
   constexpr int NT = D / 8;   // n-tiles of O
   constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
+  constexpr int PAIRS = kDecWarps / WPR;
+  static_assert(kDecWarps % WPR == 0, "warps per row");
   __shared__ float o_s[kDecWarps][16][LDO];
   __shared__ float m_s[kDecWarps][16], l_s[kDecWarps][16];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
-  const int split = blockIdx.x, kvh = blockIdx.y, row = blockIdx.z;
-  const int G = a.group, h0 = kvh * G;
-  const int s = find_seq(a.q_start, a.num_seqs, row);
-  const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
-  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
-  chunk = (chunk + kDecGranule - 1) / kDecGranule * kDecGranule;
-  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
-
-  if (k_begin >= k_end) {  // empty split (or no keys at all)
-    if (a.nsplit > 1) {
-      if (tid < G) {
-        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                    ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
-        ml[0] = -INFINITY;
-        ml[1] = 0.f;
-      }
+  const int G = a.group;
+  // Pair `slot` of this block: its query row and kv head (row >= num_tokens: no pair).
+  auto pair_of = [&](int slot, int& row, int& kvh) {
+    if constexpr (WPR == kDecWarps) {
+      row = blockIdx.z, kvh = blockIdx.y;
     } else {
-      T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
-      for (int i = tid; i < G * D; i += kDecWarps * 32) o[i] = from_f<T>(0.f);
+      const int p = blockIdx.x * PAIRS + slot;
+      row = p / a.kv_heads, kvh = p % a.kv_heads;
     }
-    return;
+  };
+  const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
+  // Keys [k_begin, k_end) of a row's split.
+  auto key_range = [&](int row, int& k_begin, int& k_end, int& s) {
+    s = find_seq(a.q_start, a.num_seqs, row);
+    const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
+    int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+    chunk = (chunk + kDecGranule - 1) / kDecGranule * kDecGranule;
+    k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+  };
+  int row, kvh, k_begin = 0, k_end = 0, s = 0;
+  pair_of(warp / WPR, row, kvh);
+  const bool has_row = row < a.num_tokens;
+  if (has_row) key_range(row, k_begin, k_end, s);
+  const int h0 = kvh * G;
+
+  if constexpr (WPR == kDecWarps) {
+    if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
+      if (a.nsplit > 1) {
+        if (tid < G) {
+          float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+                      ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+          ml[0] = -INFINITY;
+          ml[1] = 0.f;
+        }
+      } else {
+        T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+        for (int i = tid; i < G * D; i += kDecWarps * 32) o[i] = from_f<T>(0.f);
+      }
+      return;
+    }
   }
 
   // Q as A fragments. Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig + 1) is dims 32 i + 8 tig + 4 c
@@ -657,8 +681,8 @@ __global__ void __launch_bounds__(kDecWarps * 32) attn_decode_kernel(const RowsA
     const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-      const uint4 lo = gid < G ? load16(qr + gid * D + 32 * i + 8 * tig) : zero;
-      const uint4 hi = gid + 8 < G ? load16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
+      const uint4 lo = has_row && gid < G ? load16(qr + gid * D + 32 * i + 8 * tig) : zero;
+      const uint4 hi = has_row && gid + 8 < G ? load16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
       qa[2 * i][0] = lo.x, qa[2 * i][1] = hi.x, qa[2 * i][2] = lo.y, qa[2 * i][3] = hi.y;
       qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = hi.z, qa[2 * i + 1][2] = lo.w, qa[2 * i + 1][3] = hi.w;
     }
@@ -679,7 +703,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attn_decode_kernel(const RowsA
   for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
 
-  for (int k0 = k_begin + warp * kDecKeys; k0 < k_end; k0 += kDecGranule) {
+  for (int k0 = k_begin + (warp % WPR) * kDecKeys; k0 < k_end; k0 += WPR * kDecKeys) {
     // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
     // dims 64 g + 8 gid .. + 8 of it.
     uint4 kv[2][D / 32], vv[4][NG];
@@ -776,27 +800,32 @@ __global__ void __launch_bounds__(kDecWarps * 32) attn_decode_kernel(const RowsA
       o_s[warp][gid + 8][d + 8] = o[8 * g + j][3];
     }
   __syncthreads();
-  for (int i = tid; i < G * D; i += kDecWarps * 32) {
-    const int h = i / D, d = i - h * D;
+  // Pair p's warps p * WPR .. + WPR meet, in that order.
+  for (int i = tid; i < PAIRS * G * D; i += kDecWarps * 32) {
+    const int p = i / (G * D), h = (i / D) % G, d = i % D;
+    int prow, pkvh;
+    pair_of(p, prow, pkvh);
+    if (prow >= a.num_tokens) break;  // this and every later pair are past the batch
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) M = fmaxf(M, m_s[w][h]);
+    for (int w = p * WPR; w < p * WPR + WPR; ++w) M = fmaxf(M, m_s[w][h]);
     float num = 0.f, den = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) {
+    for (int w = p * WPR; w < p * WPR + WPR; ++w) {
       if (m_s[w][h] == -INFINITY) continue;  // a warp without keys
       const float f = exp2f(m_s[w][h] - M);
       num = fmaf(f, o_s[w][h][d], num);
       den = fmaf(f, l_s[w][h], den);
     }
     const float v = num / den;
+    const int hq = pkvh * G + h;
     if (a.nsplit == 1) {
-      static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + h) * D + d] = from_f<T>(v);
+      static_cast<T*>(a.out)[int64_t(prow) * a.out_stride + int64_t(hq) * D + d] = from_f<T>(v);
     } else {
-      a.part[((size_t(row) * a.q_heads + h0 + h) * a.nsplit + split) * D + d] = v;
+      a.part[((size_t(prow) * a.q_heads + hq) * a.nsplit + split) * D + d] = v;
       if (d == 0) {
         float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                    ((size_t(row) * a.q_heads + h0 + h) * a.nsplit + split) * 2;
+                    ((size_t(prow) * a.q_heads + hq) * a.nsplit + split) * 2;
         ml[0] = M;
         ml[1] = den;
       }
@@ -830,10 +859,17 @@ bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_by
          sh.q_heads / sh.kv_heads <= kDecMaxGroup;
 }
 
-// Splits for the decode kernel: enough blocks for two per SM, each split at least a granule of keys.
+// The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (two blocks per SM).
+int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  const int64_t pairs = int64_t(b.num_tokens) * sh.kv_heads, blocks = int64_t(2) * num_sms;
+  return pairs >= 4 * blocks ? 1 : pairs >= 2 * blocks ? 2 : kDecWarps;
+}
+
+// Splits for the decode kernel (4 warps per row only): enough blocks for two per SM, each split at least
+// a granule of keys.
 int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   const int64_t base = int64_t(b.num_tokens) * sh.kv_heads;
-  if (base <= 0) return 1;
+  if (base <= 0 || decode_warps_per_row(b, sh, num_sms) != kDecWarps) return 1;
   int64_t n = (int64_t(2) * num_sms + base - 1) / base;
   n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + kDecGranule - 1) / kDecGranule);
   n = std::min<int64_t>(n, kMaxSplits);
@@ -905,7 +941,7 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
 
 template <typename T, int D>
 void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-                const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
+                const AttnWorkspace& ws, int nsplit, int num_sms, cudaStream_t st) {
   RowsArgs a;
   attn_args(a, q, cache, b, sh, out);
   a.num_seqs = b.num_seqs;
@@ -914,8 +950,12 @@ void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const
   a.part = ws.partial;
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
-  dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads), unsigned(b.num_tokens));
-  launch_chained(attn_decode_kernel<T, D>, grid, kDecWarps * 32, 0, st, a);
+  const int wpr = decode_warps_per_row(b, sh, num_sms);
+  const unsigned blocks = unsigned(ceil_div(int64_t(b.num_tokens) * sh.kv_heads, kDecWarps / wpr));
+  if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1>, blocks, kDecWarps * 32, 0, st, a);
+  else if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2>, blocks, kDecWarps * 32, 0, st, a);
+  else launch_chained(attn_decode_kernel<T, D, kDecWarps>, dim3(unsigned(nsplit), unsigned(sh.kv_heads),
+                      unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
   if (nsplit > 1) {
     launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial, b.num_tokens,
@@ -973,8 +1013,8 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
   if (nsplit > 1 && (ws.partial == nullptr || ws.bytes < need)) nsplit = 1;
   if constexpr (sizeof(T) == 2) {
     if (decode) {
-      if (sh.head_dim == 64) run_decode<T, 64>(q, cache, b, sh, out, ws, nsplit, st);
-      else run_decode<T, 128>(q, cache, b, sh, out, ws, nsplit, st);
+      if (sh.head_dim == 64) run_decode<T, 64>(q, cache, b, sh, out, ws, nsplit, num_sms, st);
+      else run_decode<T, 128>(q, cache, b, sh, out, ws, nsplit, num_sms, st);
       return;
     }
   }
