@@ -114,6 +114,43 @@ struct RowsArgs : AttnArgs {
   int nsplit, num_tokens;
 };
 
+// Split `split` of query row `row`: its sequence s and the keys [k_begin, k_end) it attends to (the row's
+// keys cut into nsplit chunks, each rounded up to a multiple of `granule`).
+__device__ __forceinline__ void split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
+                                           int& k_end) {
+  s = find_seq(a.q_start, a.num_seqs, row);
+  const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
+  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+  chunk = (chunk + granule - 1) / granule * granule;
+  k_begin = split * chunk;
+  k_end = min(n_keys, k_begin + chunk);
+}
+
+// nsplit > 1: where the normalized partial output [D] of (row, query head, split) goes, and its (max, sum).
+__device__ __forceinline__ float* split_out(const RowsArgs& a, int row, int head, int split, int D) {
+  return a.part + ((size_t(row) * a.q_heads + head) * a.nsplit + split) * D;
+}
+__device__ __forceinline__ float* split_ml(const RowsArgs& a, int row, int head, int split, int D) {
+  return a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
+         ((size_t(row) * a.q_heads + head) * a.nsplit + split) * 2;
+}
+
+// A split without keys (the whole block): heads [h0, h0 + ng) of `row` get a -inf max (nsplit > 1) or a zero
+// output.
+template <typename T, int D>
+__device__ __forceinline__ void write_empty_split(const RowsArgs& a, int row, int h0, int ng, int split) {
+  if (a.nsplit > 1) {
+    if (int(threadIdx.x) < ng) {
+      float* ml = split_ml(a, row, h0 + threadIdx.x, split, D);
+      ml[0] = -INFINITY;
+      ml[1] = 0.f;
+    }
+  } else {
+    T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+    for (int i = threadIdx.x; i < ng * D; i += blockDim.x) o[i] = from_f<T>(0.f);
+  }
+}
+
 template <typename T, int D, int GM>
 __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a) {
   grid_release();
@@ -137,26 +174,12 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
   const int kvh = blockIdx.y / a.gsubs, g0 = (blockIdx.y % a.gsubs) * GM;
   const int ng = min(GM, a.group - g0);
   const int row = blockIdx.z;
-  const int s = find_seq(a.q_start, a.num_seqs, row);
-  const int q_len = a.q_start[s + 1] - a.q_start[s];
-  const int n_keys = a.ctx_len[s] - q_len + (row - a.q_start[s]) + 1;
-  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
-  chunk = (chunk + TILE - 1) / TILE * TILE;
-  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+  int s, k_begin, k_end;
+  split_keys(a, row, split, TILE, s, k_begin, k_end);
   const int h0 = kvh * a.group + g0;
 
   if (k_begin >= k_end) {  // empty split (or no keys at all)
-    if (a.nsplit > 1) {
-      if (tid < ng) {
-        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                    ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
-        ml[0] = -INFINITY;
-        ml[1] = 0.f;
-      }
-    } else {
-      T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
-      for (int i = tid; i < ng * D; i += kRowThreads) o[i] = from_f<T>(0.f);
-    }
+    write_empty_split<T, D>(a, row, h0, ng, split);
     return;
   }
 
@@ -303,7 +326,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
       for (int p = 0; p < NPH; ++p) v += red[(p * GM + g) * D + d];
       const float o = v / l_s[g];
       if (a.nsplit == 1) static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h0 + g) * D + d] = from_f<T>(o);
-      else a.part[((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d] = o;
+      else split_out(a, row, h0 + g, split, D)[d] = o;
     }
   } else {  // each thread owns dims 2 pi, 2 pi + 1 of every head
 #pragma unroll
@@ -316,7 +339,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
           o[0] = from_f<T>(acc[g][0] * inv);
           o[1] = from_f<T>(acc[g][1] * inv);
         } else {
-          float* o = a.part + ((size_t(row) * a.q_heads + h0 + g) * a.nsplit + split) * D + d;
+          float* o = split_out(a, row, h0 + g, split, D) + d;
           o[0] = acc[g][0] * inv;
           o[1] = acc[g][1] * inv;
         }
@@ -324,8 +347,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     }
   }
   if (a.nsplit > 1 && tid < ng) {
-    float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
+    float* ml = split_ml(a, row, h0 + tid, split, D);
     ml[0] = m_s[tid];
     ml[1] = l_s[tid];
   }
@@ -642,33 +664,15 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
     }
   };
   const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
-  // Keys [k_begin, k_end) of a row's split.
-  auto key_range = [&](int row, int& k_begin, int& k_end, int& s) {
-    s = find_seq(a.q_start, a.num_seqs, row);
-    const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
-    int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
-    chunk = (chunk + kDecGranule - 1) / kDecGranule * kDecGranule;
-    k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
-  };
   int row, kvh, k_begin = 0, k_end = 0, s = 0;
   pair_of(warp / WPR, row, kvh);
   const bool has_row = row < a.num_tokens;
-  if (has_row) key_range(row, k_begin, k_end, s);
+  if (has_row) split_keys(a, row, split, kDecGranule, s, k_begin, k_end);
   const int h0 = kvh * G;
 
   if constexpr (WPR == kDecWarps) {
     if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
-      if (a.nsplit > 1) {
-        if (tid < G) {
-          float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                      ((size_t(row) * a.q_heads + h0 + tid) * a.nsplit + split) * 2;
-          ml[0] = -INFINITY;
-          ml[1] = 0.f;
-        }
-      } else {
-        T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
-        for (int i = tid; i < G * D; i += kDecWarps * 32) o[i] = from_f<T>(0.f);
-      }
+      write_empty_split<T, D>(a, row, h0, G, split);
       return;
     }
   }
@@ -822,10 +826,9 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
     if (a.nsplit == 1) {
       static_cast<T*>(a.out)[int64_t(prow) * a.out_stride + int64_t(hq) * D + d] = from_f<T>(v);
     } else {
-      a.part[((size_t(prow) * a.q_heads + hq) * a.nsplit + split) * D + d] = v;
+      split_out(a, prow, hq, split, D)[d] = v;
       if (d == 0) {
-        float* ml = a.part + size_t(a.num_tokens) * a.q_heads * a.nsplit * D +
-                    ((size_t(prow) * a.q_heads + hq) * a.nsplit + split) * 2;
+        float* ml = split_ml(a, prow, hq, split, D);
         ml[0] = M;
         ml[1] = den;
       }
@@ -907,18 +910,33 @@ void attn_args(AttnArgs& a, const Tensor& q, const KvLayer& cache, const AttnBat
   a.out_stride = out.stride;
 }
 
-template <typename T, int D>
-void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-              const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
-  const int group = sh.q_heads / sh.kv_heads;
+RowsArgs rows_args(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                   const AttnWorkspace& ws, int nsplit, int gsubs) {
   RowsArgs a;
   attn_args(a, q, cache, b, sh, out);
   a.num_seqs = b.num_seqs;
-  a.gsubs = (group + kGMax - 1) / kGMax;
+  a.gsubs = gsubs;
   a.q_heads = sh.q_heads;
   a.part = ws.partial;
   a.nsplit = nsplit;
   a.num_tokens = b.num_tokens;
+  return a;
+}
+
+// nsplit > 1: the splits' partial outputs in ws merged into out.
+template <typename T>
+void launch_combine(const AttnBatch& b, const AttnShape& sh, const AttnWorkspace& ws, int nsplit, Tensor& out,
+                    cudaStream_t st) {
+  launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), sh.head_dim, 0, st, ws.partial,
+                 b.num_tokens, sh.q_heads, nsplit, sh.head_dim, out.ptr<T>(), out.stride);
+  check_launch("attention (combine)");
+}
+
+template <typename T, int D>
+void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+              const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
+  const int group = sh.q_heads / sh.kv_heads;
+  const RowsArgs a = rows_args(q, cache, b, sh, out, ws, nsplit, (group + kGMax - 1) / kGMax);
   dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
   if (kRowsGM4 && group <= 4) {  // heads 4..7 of the 8-wide variant would idle
     constexpr size_t smem = rows_smem_bytes<T, D, 4>();
@@ -932,24 +950,13 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     launch_chained(attn_rows_kernel<T, D, kGMax>, grid, kRowThreads, smem, st, a);
   }
   check_launch("attention (rows)");
-  if (nsplit > 1) {
-    launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial, b.num_tokens,
-                   sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
-    check_launch("attention (combine)");
-  }
+  if (nsplit > 1) launch_combine<T>(b, sh, ws, nsplit, out, st);
 }
 
 template <typename T, int D>
 void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
                 const AttnWorkspace& ws, int nsplit, int num_sms, cudaStream_t st) {
-  RowsArgs a;
-  attn_args(a, q, cache, b, sh, out);
-  a.num_seqs = b.num_seqs;
-  a.gsubs = 1;
-  a.q_heads = sh.q_heads;
-  a.part = ws.partial;
-  a.nsplit = nsplit;
-  a.num_tokens = b.num_tokens;
+  const RowsArgs a = rows_args(q, cache, b, sh, out, ws, nsplit, 1);
   const int wpr = decode_warps_per_row(b, sh, num_sms);
   const unsigned blocks = unsigned(ceil_div(int64_t(b.num_tokens) * sh.kv_heads, kDecWarps / wpr));
   if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1>, blocks, kDecWarps * 32, 0, st, a);
@@ -957,11 +964,7 @@ void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const
   else launch_chained(attn_decode_kernel<T, D, kDecWarps>, dim3(unsigned(nsplit), unsigned(sh.kv_heads),
                       unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
-  if (nsplit > 1) {
-    launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), D, 0, st, ws.partial, b.num_tokens,
-                   sh.q_heads, nsplit, D, out.ptr<T>(), out.stride);
-    check_launch("attention (combine)");
-  }
+  if (nsplit > 1) launch_combine<T>(b, sh, ws, nsplit, out, st);
 }
 
 template <typename T, int D, int BM>
