@@ -450,10 +450,11 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
   check(cudaStreamWaitEvent(stream_, io.done, 0), "sample");
   char* dout = static_cast<char*>(scratch(io.dev_out, out_bytes, "sample"));
   float* x = any_copy ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
+  void* stats = scratch(sample_stats_, std::max<size_t>(sample_stats_bytes(R, V), 16), "sample");
   if (R > 0) {
     check(cudaMemcpyAsync(din, host, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");
     launch_sample(logits.ptr<float>(), R, V, logits.stride, reinterpret_cast<const SampleParamsDev*>(din),
-                  reinterpret_cast<const int32_t*>(din + prm_bytes), x, max_n, reinterpret_cast<int32_t*>(dout),
+                  reinterpret_cast<const int32_t*>(din + prm_bytes), stats, x, max_n, reinterpret_cast<int32_t*>(dout),
                   reinterpret_cast<float*>(dout + io.lp_off), reinterpret_cast<int32_t*>(dout + io.ids_off),
                   reinterpret_cast<float*>(dout + io.tlp_off), stream_);
   }

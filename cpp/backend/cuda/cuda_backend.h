@@ -108,7 +108,7 @@ class CudaBackend final : public Backend {
   SampleIo sample_io_[2];
   uint64_t samples_started_ = 0, samples_finished_ = 0;
   const int32_t* sampled_ = nullptr;  // device tokens of the last started sampling
-  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_x_;
+  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_stats_, sample_x_;
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;

@@ -221,8 +221,11 @@ struct SampleParamsDev {  // one row's parameters, as the kernel reads them
   int banned_off, banned_n, seen_off, seen_n, out_off, out_n;  // into the int list (out: tokens then counts)
   int needs_copy;
 };
+// stats: sample_stats_bytes(rows, vocab) of device scratch; scratch: rows * vocab floats when a row needs_copy.
+int64_t sample_stats_chunks(int64_t vocab);
+inline size_t sample_stats_bytes(int64_t rows, int64_t vocab) { return size_t(rows * sample_stats_chunks(vocab)) * 16; }
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const SampleParamsDev* params,
-                   const int32_t* lists, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
+                   const int32_t* lists, void* stats, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
                    int32_t* top_ids, float* top_lps, cudaStream_t s);
 
 }  // namespace qrt::cuda

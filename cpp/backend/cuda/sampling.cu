@@ -1,6 +1,11 @@
-// Sampling on the GPU with the semantics stated at the end of ops.h: one block per row.
-// Thresholds (top_k, top_p cut, top_p ties) are found by bitwise searches over order-preserving
-// integer keys, each step one pass over the row with a block-wide reduction; no sorting.
+// Sampling on the GPU with the semantics stated at the end of ops.h, in two kernels:
+// - logit_stats_kernel: blocks over (chunk of the vocabulary, row) reduce the raw logits to a per-chunk
+//   (max, sum of exp(v - max), best (value, id)), so the log-softmax and the greedy token of a row take the
+//   whole GPU, not one SM (a single block scanning Qwen's 151,936 logits took ~60 us at batch 1);
+// - sample_kernel: one block per row merges its chunks in a fixed order (greedy ends there), then
+//   top-N logprobs, penalties, temperature, top_k / top_p / min_p and the draw. Thresholds (top_k, top_p cut,
+//   top_p ties) are found by bitwise searches over order-preserving integer keys, each step one pass over the
+//   row with a block-wide reduction; no sorting.
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/random.h"
 
@@ -28,23 +33,24 @@ struct SumF { __device__ float operator()(float a, float b) const { return a + b
 struct SumD { __device__ double operator()(double a, double b) const { return a + b; } };
 struct SumI { __device__ int operator()(int a, int b) const { return a + b; } };
 
-// All threads get the result. Each instantiation has its own shared scratch.
-template <typename T, typename Op>
+// All threads of a block of NW warps get the result. Each instantiation has its own shared scratch.
+template <typename T, typename Op, int NW = kWarps>
 __device__ T block_reduce(T v, Op op) {
-  __shared__ T sm[kWarps];
+  __shared__ T sm[NW];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = op(v, shfl(v, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) sm[warp] = v;
   __syncthreads();
   T r = sm[0];
-  for (int w = 1; w < kWarps; ++w) r = op(r, sm[w]);
+  for (int w = 1; w < NW; ++w) r = op(r, sm[w]);
   __syncthreads();
   return r;
 }
 
+template <int NW = kWarps>
 __device__ Cand block_best(Cand c) {
-  __shared__ Cand sm[kWarps];
+  __shared__ Cand sm[NW];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Cand x{shfl(c.v, o), shfl(c.i, o)};
@@ -54,7 +60,7 @@ __device__ Cand block_best(Cand c) {
   if (lane == 0) sm[warp] = c;
   __syncthreads();
   Cand r = sm[0];
-  for (int w = 1; w < kWarps; ++w)
+  for (int w = 1; w < NW; ++w)
     if (better(sm[w], r)) r = sm[w];
   __syncthreads();
   return r;
@@ -70,7 +76,45 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// One chunk of a row's raw logits: its max, the sum of exp(v - max) over it, its best (value desc, id asc).
+struct ChunkStats {
+  float m, se, best_v;
+  int best_i;
+};
+static_assert(sizeof(ChunkStats) == 16, "sample_stats_bytes counts 16 bytes per chunk");
+constexpr int kStatThreads = 256, kStatPer = 16, kStatChunk = kStatThreads * kStatPer;
+
+// Block (chunk c, row r): stats[r * chunks + c].
+__global__ void __launch_bounds__(kStatThreads) logit_stats_kernel(const float* logits, int V, int64_t stride,
+                                                                   int chunks, ChunkStats* stats) {
+  grid_release();
+  grid_wait();
+  constexpr int NW = kStatThreads / 32;
+  const int c = blockIdx.x, r = blockIdx.y, tid = threadIdx.x;
+  const float* raw = logits + int64_t(r) * stride;
+  float v[kStatPer], m = -INFINITY;
+  Cand best{0.f, -1};
+#pragma unroll
+  for (int k = 0; k < kStatPer; ++k) {
+    const int i = c * kStatChunk + k * kStatThreads + tid;
+    v[k] = i < V ? raw[i] : -INFINITY;
+    m = fmaxf(m, v[k]);
+    const Cand x{v[k], i};
+    if (i < V && better(x, best)) best = x;
+  }
+  float se = 0.f;
+  if (m != -INFINITY)
+#pragma unroll
+    for (int k = 0; k < kStatPer; ++k) se += expf(v[k] - m);  // NaN logits make the sum NaN
+  const float M = block_reduce<float, MaxOp, NW>(m, MaxOp{});
+  se = m == -INFINITY ? 0.f : se * expf(m - M);
+  const float S = block_reduce<float, SumF, NW>(se, SumF{});
+  best = block_best<NW>(best);
+  if (tid == 0) stats[int64_t(r) * chunks + c] = ChunkStats{M, S, best.v, best.i};
+}
+
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int V, int64_t stride,
+                                                           const ChunkStats* stats, int chunks,
                                                            const SampleParamsDev* params, const int32_t* lists,
                                                            float* scratch, int max_n, int32_t* tok_out,
                                                            float* lp_out, int32_t* top_ids, float* top_lps) {
@@ -80,19 +124,19 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   const SampleParamsDev p = params[r];
   const float* raw = logits + int64_t(r) * stride;
 
-  // 1. log_softmax of the raw logits (and the raw argmax).
+  // 1. log_softmax of the raw logits (and the raw argmax) from the row's chunks, merged in a fixed order.
   float m = -INFINITY, se = 0.f;
   Cand best{0.f, -1};
-  for (int i = tid; i < V; i += kThreads) {
-    const float v = raw[i];
-    if (v > m) {
-      se = se * expf(m - v) + 1.f;
-      m = v;
-    } else if (v != -INFINITY) {
-      se += expf(v - m);
+  for (int j = tid; j < chunks; j += kThreads) {
+    const ChunkStats c = stats[int64_t(r) * chunks + j];
+    if (c.m > m) {
+      se = se * expf(m - c.m) + c.se;
+      m = c.m;
+    } else if (c.m != -INFINITY) {
+      se += c.se * expf(c.m - m);
     }
-    const Cand c{v, i};
-    if (better(c, best)) best = c;
+    const Cand x{c.best_v, c.best_i};
+    if (better(x, best)) best = x;
   }
   const float M = block_reduce(m, MaxOp{});
   se = m == -INFINITY ? 0.f : se * expf(m - M);
@@ -262,12 +306,19 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
 
 }  // namespace
 
+int64_t sample_stats_chunks(int64_t vocab) { return (vocab + kStatChunk - 1) / kStatChunk; }
+
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const SampleParamsDev* params,
-                   const int32_t* lists, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
+                   const int32_t* lists, void* stats, float* scratch, int max_n, int32_t* tok_out, float* lp_out,
                    int32_t* top_ids, float* top_lps, cudaStream_t s) {
   if (rows == 0) return;
-  launch_chained(sample_kernel, unsigned(rows), kThreads, 0, s, logits, int(vocab), stride, params, lists, scratch,
-                 max_n, tok_out, lp_out, top_ids, top_lps);
+  const int chunks = int(sample_stats_chunks(vocab));
+  launch_chained(logit_stats_kernel, dim3(unsigned(chunks), unsigned(rows)), kStatThreads, 0, s, logits, int(vocab),
+                 stride, chunks, static_cast<ChunkStats*>(stats));
+  check_launch("sample (logit stats)");
+  launch_chained(sample_kernel, unsigned(rows), kThreads, 0, s, logits, int(vocab), stride,
+                 static_cast<const ChunkStats*>(stats), chunks, params, lists, scratch, max_n, tok_out, lp_out,
+                 top_ids, top_lps);
   check_launch("sample");
 }
 
