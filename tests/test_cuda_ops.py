@@ -527,6 +527,46 @@ def test_attention_mixed(cpu, act, case):
     run_attention(cpu, act, *case, seed=sum(case[0]))
 
 
+QKV_ATTENTION_CASES = [
+    # q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size, rot_dim, norm
+    ([1], [1], 4, 4, 64, 16, 64, True),  # the new key alone
+    ([1, 1, 1], [17, 100, 3000], 32, 8, 128, 16, 128, True),  # Qwen3-8B heads; splits at batch 3
+    ([1, 1], [33, 700], 8, 1, 128, 64, 64, False),  # GQA 8, partial rotation, no q/k norm
+    ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8, 64, True),  # page edges
+    ([1, 1], [2048, 129], 64, 4, 128, 128, 128, True),  # GQA 16
+    ([1] * 270, [3 + (i * 37) % 250 for i in range(270)], 32, 2, 128, 16, 128, True),  # 2 warps per pair
+    ([1] * 529, [1 + (i * 53) % 300 for i in range(529)], 32, 2, 128, 16, 128, True),  # 1 warp per pair
+    ([1, 50, 1], [300, 80, 1], 8, 2, 128, 16, 128, True),  # not a decode batch: the composition
+    ([1, 1], [900, 64], 64, 2, 128, 16, 128, True),  # GQA 32: the composition
+]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", QKV_ATTENTION_CASES, ids=lambda c: f"{len(c[0])}x{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-r{c[6]}")
+def test_qkv_attention(cpu, act, case):
+    """finish_qkv + attention from the q|k|v projection (the decode kernel does both for 16-bit decode
+    batches) against the CPU's composition: the output and the k / v written to the cache."""
+    q_lens, ctx_lens, hq, hkv, hd, page_size, rot_dim, norm = case
+    rng = np.random.default_rng(len(q_lens) + hd + rot_dim)
+    c = make_attn_case(rng, q_lens, ctx_lens, page_size, hkv, hd, act)
+    qkv = rand(rng, (c["T"], (hq + 2 * hkv) * hd), -2, 2, act)
+    pos = np.concatenate([np.arange(ctx - q, ctx) for q, ctx in zip(q_lens, ctx_lens)]).astype(np.int32)
+    table = rope_table(4096, rot_dim)
+    qw = rand(rng, (hd,), 0.5, 1.5) if norm else None
+    kw = rand(rng, (hd,), 0.5, 1.5) if norm else None
+    args = (qkv, c["k_cache"], c["v_cache"], c["q_start"], c["ctx_len"], c["page_table"], c["kv_rows"], page_size,
+            pos, table, hq, hkv, hd, 1.0 / math.sqrt(hd), qw, kw, 1e-6)
+    ref = [np.asarray(a) for a in cpu.qkv_attention(*args)]
+    out = [np.asarray(a) for a in harness(DEVICE, act).qkv_attention(*args)]
+    tol = 1e-5 if act == "float32" else TOL[act]
+    for name, a, b in zip(("out", "k_cache", "v_cache"), out, ref):
+        err = rel(a, b)
+        assert err < tol, f"{name} rel err {err:.3g}"
+    # The cache rows this step writes hold the new k / v (the rest unchanged).
+    untouched = np.setdiff1d(np.arange(c["k_cache"].shape[0]), c["kv_rows"])
+    assert np.array_equal(out[1][untouched], np.asarray(c["k_cache"])[untouched])
+
+
 def test_attention_is_causal_and_uses_the_cache(cpu):
     # Changing a cached key after a query's position must not change that query's output;
     # changing one before it must.

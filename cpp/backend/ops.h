@@ -192,6 +192,15 @@ class Backend {
     rope(k, s.head_dim, positions, table);
     write_kv(k, v, batch, cache);
   }
+  // finish_qkv, then the attention of qkv's q columns into out: a layer's attention from its q|k|v
+  // projection. A backend may fuse them for some batches (qkv's columns are then left as they were; the
+  // values may differ by the skipped roundings).
+  virtual void qkv_attention(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                             bool zero_centred, const int32_t* positions, const RopeTable& table,
+                             const AttnBatch& batch, KvLayer& cache, Tensor& out) {
+    finish_qkv(qkv, s, q_norm, k_norm, eps, zero_centred, positions, table, batch, cache);
+    attention(qkv.col_slice(0, int64_t(s.q_heads) * s.head_dim), cache, batch, s, out);
+  }
   // Writes this step's k and v rows (cols = kv_heads * head_dim) into the cache at batch.kv_rows.
   virtual void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& batch, KvLayer& cache) = 0;
   // Causal paged attention of q (cols = q_heads * head_dim) over the cache; out like q.

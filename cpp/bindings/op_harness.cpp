@@ -249,6 +249,39 @@ void bind_op_harness(nb::module_& m) {
              return std::make_tuple(h.down(x.t), h.down(kcd.t), h.down(vcd.t));
            }, "qkv"_a, "k_cache"_a, "v_cache"_a, "kv_rows"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a,
            "head_dim"_a, "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a)
+      .def("qkv_attention",
+           [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
+              I32In kv_rows, int page_size, I32In positions, F32In cs, int hq, int hkv, int hd, float scale,
+              std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {
+             Dev x = h.up(qkv, h.act()), kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
+             Dev qs = h.up_ids(q_start), cl = h.up_ids(ctx_len), pt = h.up_ids(page_table), kr = h.up_ids(kv_rows);
+             Dev pd = h.up_ids(positions), cd = h.up(cs, DType::F32);
+             std::optional<Dev> qn, kn;
+             if (q_norm) qn = h.up(*q_norm, DType::F32);
+             if (k_norm) kn = h.up(*k_norm, DType::F32);
+             AttnBatch b;
+             b.num_seqs = int(ctx_len.size());
+             b.num_tokens = int(x.t.rows);
+             b.q_start = qs.t.ptr<int32_t>();
+             b.ctx_len = cl.t.ptr<int32_t>();
+             b.page_table = pt.t.ptr<int32_t>();
+             b.kv_rows = kr.t.ptr<int32_t>();
+             b.max_pages = b.num_seqs ? int(page_table.size()) / b.num_seqs : 0;
+             b.page_size = page_size;
+             for (int s = 0; s < b.num_seqs; ++s) {
+               b.max_q_len = std::max(b.max_q_len, q_start.data()[s + 1] - q_start.data()[s]);
+               b.max_ctx_len = std::max(b.max_ctx_len, ctx_len.data()[s]);
+             }
+             AttnShape sh{hq, hkv, hd, scale};
+             RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
+             KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
+             Dev o = h.empty(x.t.rows, int64_t(hq) * hd, h.act());
+             h.be().qkv_attention(x.t, sh, qn ? &qn->t : nullptr, kn ? &kn->t : nullptr, eps, false,
+                                  pd.t.ptr<int32_t>(), tab, b, cache, o.t);
+             return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
+           }, "qkv"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
+           "page_size"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a,
+           "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a)
       .def("gather_rows",
            [](OpHarness& h, F32In x, I32In rows) {
              Dev xd = h.up(x, h.act()), rd = h.up_ids(rows);

@@ -281,12 +281,11 @@ Tensor QwenModel::logits_view(int rows) const {
 }
 
 void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
-  const int D = cfg_.head_dim, qn = q_heads_ * D, n = comm_.size();
+  const int D = cfg_.head_dim, n = comm_.size();
   const float eps = cfg_.rms_eps;
   const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
   Tensor res = residual_.row_slice(0, T), h = hidden_.row_slice(0, T), qkv = qkv_.row_slice(0, T),
          attn = attn_.row_slice(0, T), gu = gate_up_.row_slice(0, T), act = act_.row_slice(0, T);
-  Tensor q = qkv.col_slice(0, qn);
   // A row-parallel linear's output joins the residual stream: rank 0 adds its share to the residual, the
   // other ranks put theirs in place of it, and the ranks sum (one rank: just the add).
   auto add_to_residual = [&](const Tensor& x, const Linear& w) {
@@ -301,9 +300,8 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
     const Layer& L = layers_[l];
     be_.norm_linear(res, RmsNorm{L.input_norm, eps, false, gains_folded_}, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, h, qkv);
     KvLayer cache = kv.layer(l);
-    be_.finish_qkv(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
-                   d_positions_, rope_, b, cache);
-    be_.attention(q, cache, b, shape, attn);
+    be_.qkv_attention(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
+                      d_positions_, rope_, b, cache, attn);
     add_to_residual(attn, L.o);
     be_.norm_linear_silu_mul(res, RmsNorm{L.post_norm, eps, false, gains_folded_}, L.gate_up, h, gu, act);
     add_to_residual(act, L.down);

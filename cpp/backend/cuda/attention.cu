@@ -115,15 +115,16 @@ struct RowsArgs : AttnArgs {
 };
 
 // Split `split` of query row `row`: its sequence s and the keys [k_begin, k_end) it attends to (the row's
-// keys cut into nsplit chunks, each rounded up to a multiple of `granule`).
-__device__ __forceinline__ void split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
-                                           int& k_end) {
+// keys cut into nsplit chunks, each rounded up to a multiple of `granule`). Returns the row's key count.
+__device__ __forceinline__ int split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
+                                          int& k_end) {
   s = find_seq(a.q_start, a.num_seqs, row);
   const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
   int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
   chunk = (chunk + granule - 1) / granule * granule;
   k_begin = split * chunk;
   k_end = min(n_keys, k_begin + chunk);
+  return n_keys;
 }
 
 // nsplit > 1: where the normalized partial output [D] of (row, query head, split) goes, and its (max, sum).
@@ -635,13 +636,125 @@ constexpr int kDecKeys = 16;                       // keys per warp step
 constexpr int kDecGranule = kDecWarps * kDecKeys;  // a split's keys are a multiple of this
 constexpr int kDecMaxGroup = 16;                   // query heads per kv head (the mma rows)
 
+// FUSED: q is the layer's q|k|v projection and the kernel does finish_qkv's work for its rows first (ops.h):
+// every block normalizes and rotates its query heads into shared memory; the block whose keys end with the
+// row's own (new) token normalizes and rotates that k, writes k and v to the cache at kv_rows, and counts the
+// new key from shared memory (its cache row is written, not read, by this kernel) as one more partial in the
+// warps' merge. q|k|v itself is left as it was.
+struct DecodeArgs : RowsArgs {
+  const void* q_norm;  // [head_dim] gains or null (no norm); k_norm likewise, both of norm_t
+  const void* k_norm;
+  DType norm_t;
+  float eps;
+  bool zero_centred;
+  const int32_t* positions;  // [num_tokens]; a position outside [0, max_pos) is not rotated
+  const float* cos_sin;      // [max_pos, rot_dim]: cos then sin of rot_dim / 2 frequencies
+  int rot_dim, max_pos;
+  const int32_t* kv_rows;    // [num_tokens]; < 0: not written
+};
+
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// FUSED prologue, run by the WPR warps of one pair (row, kv head): its G query heads normalized (q_norm),
+// rotated and rounded to T into q_s [G][D]; the owner also makes the new k (k_norm, rotation) and v, rounds
+// them to T into kv_new [2][D] and writes them to the cache at kv_rows[row]. A head's D / 8 16-byte pieces
+// sit in D / 8 consecutive lanes (the norm's sum and the rotation partner are lane shuffles).
 template <typename T, int D, int WPR>
-__global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const RowsArgs a) {
+__device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kvh, bool has_row, bool owner, T* q_s,
+                                            T (&kv_new)[2][D], float (&s_new)[16]) {
+  constexpr int CPH = D / 8;  // pieces per head
+  const int G = a.group, tp = (int(threadIdx.x) >> 5) % WPR * 32 + (int(threadIdx.x) & 31);
+  const int heads = has_row ? G + (owner ? 2 : 0) : 0;  // q heads, then k and v
+  const int hq = a.kv_heads * G;
+  const T* src = static_cast<const T*>(a.q) + int64_t(has_row ? row : 0) * a.q_stride;
+  const int pos = has_row ? a.positions[row] : -1;
+  const bool rotate = pos >= 0 && pos < a.max_pos;
+  const int half = a.rot_dim / 2;
+  const float* cs = a.cos_sin + int64_t(rotate ? pos : 0) * a.rot_dim;
+  for (int base = tp - (tp & 31); base < heads * CPH; base += WPR * 32) {  // warp-uniform bound
+    const int c = base + (tp & 31), h = c / CPH, piece = c % CPH;
+    const bool valid = c < heads * CPH;
+    const int col = h < G ? (kvh * G + h) * D : (hq + (h - G) * a.kv_heads + kvh) * D;
+    float f[8];
+    if (valid) {
+      Vec16<T> x;
+      x.load(src + col + piece * 8);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = x.f[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = 0.f;
+    }
+    // Every lane of the warp takes part in the shuffles (its lanes may hold different heads).
+    const bool is_v = h == G + 1;
+    const void* w = h < G ? a.q_norm : a.k_norm;
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss = fmaf(f[k], f[k], ss);
+#pragma unroll
+    for (int o = 1; o < CPH; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (valid && w != nullptr && !is_v) {
+      const float inv = 1.0f / sqrtf(ss / float(D) + a.eps);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float g = load_any(w, a.norm_t, piece * 8 + k);
+        f[k] = f[k] * inv * (a.zero_centred ? 1.0f + g : g);
+      }
+    }
+    if (rotate) {  // uniform over the pair
+      const int d0 = piece * 8;
+      const bool first = d0 < half, second = !first && d0 < 2 * half;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float other = __shfl_xor_sync(0xffffffffu, f[k], half / 8);  // the partner piece's lane
+        if (is_v) continue;
+        if (first) f[k] = f[k] * cs[d0 + k] - other * cs[half + d0 + k];
+        else if (second) f[k] = f[k] * cs[d0 - half + k] + other * cs[d0 + k];
+      }
+    }
+    if (valid) {
+      Vec16<T> y;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) y.f[k] = f[k];
+      y.store(h < G ? q_s + h * D + piece * 8 : kv_new[h - G] + piece * 8);
+      const int32_t kv_row = a.kv_rows[row];
+      if (h >= G && kv_row >= 0) {
+        T* cache = static_cast<T*>(const_cast<void*>(h == G ? a.kc : a.vc));
+        y.store(cache + int64_t(kv_row) * a.kv_heads * D + int64_t(kvh) * D + piece * 8);
+      }
+    }
+  }
+  if (!owner && tp < 16) s_new[tp] = -INFINITY;
+}
+
+// FUSED, after finish_pair and a barrier: the owner's score of the new key for each query head, in log2 units.
+template <typename T, int D, int WPR>
+__device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row, bool owner, const T* q_s,
+                                               const T* k_new, float (&s_new)[16]) {
+  constexpr int CPH = D / 8;
+  if (!has_row || !owner) return;  // uniform over the pair's warps
+  const int G = a.group, tp = (int(threadIdx.x) >> 5) % WPR * 32 + (int(threadIdx.x) & 31);
+  for (int base = tp - (tp & 31); base < G * CPH; base += WPR * 32) {
+    const int c = base + (tp & 31), h = c / CPH, piece = c % CPH;
+    float dot = 0.f;
+    if (c < G * CPH) {
+      float q[8], k[8];
+      load8(q_s + h * D + piece * 8, q);
+      load8(k_new + piece * 8, k);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = fmaf(q[i], k[i], dot);
+    }
+#pragma unroll
+    for (int o = 1; o < CPH; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (c < G * CPH && piece == 0) s_new[h] = dot * a.scale_log2;
+  }
+}
+
+template <typename T, int D, int WPR, bool FUSED>
+__global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const DecodeArgs a) {
   grid_release();
   grid_wait();
   constexpr int KS = D / 16;  // k-steps of QK
@@ -650,8 +763,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
   constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
   constexpr int PAIRS = kDecWarps / WPR;
   static_assert(kDecWarps % WPR == 0, "warps per row");
-  __shared__ float o_s[kDecWarps][16][LDO];
+  __shared__ __align__(16) float o_s[kDecWarps][16][LDO];
   __shared__ float m_s[kDecWarps][16], l_s[kDecWarps][16];
+  // FUSED: the pairs' normalized, rotated query heads (aliasing o_s, which is written only after the main
+  // loop), the new k and v, and the new key's score per query head (-inf: not this block's key).
+  __shared__ __align__(16) T kv_new[FUSED ? PAIRS : 1][2][D];
+  __shared__ float s_new[FUSED ? PAIRS : 1][16];
+  static_assert(sizeof(T) * PAIRS * 16 * D <= sizeof(float) * kDecWarps * 16 * LDO, "q_s fits in o_s");
+  T* const q_s = reinterpret_cast<T*>(&o_s[0][0][0]);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int G = a.group;
   // Pair `slot` of this block: its query row and kv head (row >= num_tokens: no pair).
@@ -664,11 +783,15 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
     }
   };
   const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
-  int row, kvh, k_begin = 0, k_end = 0, s = 0;
-  pair_of(warp / WPR, row, kvh);
+  int row, kvh, k_begin = 0, k_end = 0, s = 0, n_keys = 0;
+  const int pair = warp / WPR;
+  pair_of(pair, row, kvh);
   const bool has_row = row < a.num_tokens;
-  if (has_row) split_keys(a, row, split, kDecGranule, s, k_begin, k_end);
+  if (has_row) n_keys = split_keys(a, row, split, kDecGranule, s, k_begin, k_end);
   const int h0 = kvh * G;
+  // FUSED: whether this block holds the row's new key (the last one); the cache keys stop before it.
+  const bool owner = FUSED && k_begin < k_end && k_end == n_keys;
+  const int k_stop = owner ? k_end - 1 : k_end;
 
   if constexpr (WPR == kDecWarps) {
     if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
@@ -677,28 +800,39 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
     }
   }
 
+  if constexpr (FUSED) {
+    finish_pair<T, D, WPR>(a, row, kvh, has_row, owner, q_s + pair * 16 * D, kv_new[pair], s_new[pair]);
+    __syncthreads();
+  }
+
   // Q as A fragments. Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig + 1) is dims 32 i + 8 tig + 4 c
   // + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece 32 i + 8 tig is two k-steps.
   uint32_t qa[KS][4];
   {
-    const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
+    const T* qr = FUSED ? q_s + pair * 16 * D
+                        : static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
+    auto q16 = [&](const T* p) { return FUSED ? *reinterpret_cast<const uint4*>(p) : load16(p); };
     const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-      const uint4 lo = has_row && gid < G ? load16(qr + gid * D + 32 * i + 8 * tig) : zero;
-      const uint4 hi = has_row && gid + 8 < G ? load16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
+      const uint4 lo = has_row && gid < G ? q16(qr + gid * D + 32 * i + 8 * tig) : zero;
+      const uint4 hi = has_row && gid + 8 < G ? q16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
       qa[2 * i][0] = lo.x, qa[2 * i][1] = hi.x, qa[2 * i][2] = lo.y, qa[2 * i][3] = hi.y;
       qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = hi.z, qa[2 * i + 1][2] = lo.w, qa[2 * i + 1][3] = hi.w;
     }
+  }
+  if constexpr (FUSED) {
+    new_key_scores<T, D, WPR>(a, has_row, owner, q_s + pair * 16 * D, kv_new[pair][0], s_new[pair]);
+    __syncthreads();  // q_s (in o_s) is read; the warps may now write o_s
   }
 
   const int64_t kv_cols = int64_t(a.kv_heads) * D;
   const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
   const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
   const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
-  // Cache row of key j; keys past k_end read key k_begin's row (finite values, masked or weighted 0).
+  // Cache row of key j; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
   auto key_row = [&](int j) {
-    j = j < k_end ? j : k_begin;
+    j = j < k_stop ? j : k_begin;
     return int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
   };
 
@@ -707,10 +841,9 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
   for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
 
-  for (int k0 = k_begin + (warp % WPR) * kDecKeys; k0 < k_end; k0 += WPR * kDecKeys) {
-    // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
-    // dims 64 g + 8 gid .. + 8 of it.
-    uint4 kv[2][D / 32], vv[4][NG];
+  // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
+  // dims 64 g + 8 gid .. + 8 of it. A warp loads its next step's K and V before it works on the current one.
+  auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const T* kr = kbase + key_row(k0 + 8 * t + gid) * kv_cols + 8 * tig;
@@ -723,6 +856,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
 #pragma unroll
       for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
     }
+  };
+  constexpr int kStride = WPR * kDecKeys;
+  uint4 kv[2][D / 32], vv[4][NG];
+  int k0 = k_begin + (warp % WPR) * kDecKeys;
+  if (k0 < k_stop) load_step(k0, kv, vv);
+  for (; k0 < k_stop; k0 += kStride) {
+    uint4 kn[2][D / 32], vn[4][NG];
+    if (k0 + kStride < k_stop) load_step(k0 + kStride, kn, vn);
     // S = Q K^T: sc[t][0..1] row gid, keys k0 + 8 t + 2 tig + {0, 1}; sc[t][2..3] row gid + 8.
     float sc[2][4];
 #pragma unroll
@@ -736,7 +877,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        sc[t][e] = k0 + 8 * t + 2 * tig + (e & 1) < k_end ? sc[t][e] * a.scale_log2 : -INFINITY;
+        sc[t][e] = k0 + 8 * t + 2 * tig + (e & 1) < k_stop ? sc[t][e] * a.scale_log2 : -INFINITY;
     }
     // Online softmax over the 16 keys (a row's 16 scores sit in the 4 lanes of one tig group).
     float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
@@ -779,6 +920,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
         const uint32_t vb1 = __byte_perm(word(vv[2][g], j / 2), word(vv[3][g], j / 2), sel);
         mma16816<T>(o[8 * g + j], pa0, pa1, pa2, pa3, vb0, vb1);
       }
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) kv[t][i] = kn[t][i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int g = 0; g < NG; ++g) vv[e][g] = vn[e][g];
   }
 
   // The warps meet: o[8 g + j][0..1] is row gid, dims 64 g + 16 tig + j and + 8 (rows gid + 8: [2..3]).
@@ -810,7 +959,8 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
     int prow, pkvh;
     pair_of(p, prow, pkvh);
     if (prow >= a.num_tokens) break;  // this and every later pair are past the batch
-    float M = -INFINITY;
+    const float sn = FUSED ? s_new[FUSED ? p : 0][h] : -INFINITY;  // the new key, after the warps
+    float M = sn;
 #pragma unroll
     for (int w = p * WPR; w < p * WPR + WPR; ++w) M = fmaxf(M, m_s[w][h]);
     float num = 0.f, den = 0.f;
@@ -820,6 +970,11 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const Ro
       const float f = exp2f(m_s[w][h] - M);
       num = fmaf(f, o_s[w][h][d], num);
       den = fmaf(f, l_s[w][h], den);
+    }
+    if (sn != -INFINITY) {
+      const float f = exp2f(sn - M);
+      num = fmaf(f, to_f(kv_new[FUSED ? p : 0][1][d]), num);
+      den += f;
     }
     const float v = num / den;
     const int hq = pkvh * G + h;
@@ -877,6 +1032,12 @@ int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + kDecGranule - 1) / kDecGranule);
   n = std::min<int64_t>(n, kMaxSplits);
   return int(std::max<int64_t>(n, 1));
+}
+
+// nsplit, or 1 when the workspace cannot hold that many splits' partial outputs.
+int usable_splits(const AttnBatch& b, const AttnShape& sh, const AttnWorkspace& ws, int nsplit) {
+  const size_t need = size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
+  return nsplit > 1 && (ws.partial == nullptr || ws.bytes < need) ? 1 : nsplit;
 }
 
 void check_shape(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, const Tensor& out) {
@@ -953,18 +1114,17 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   if (nsplit > 1) launch_combine<T>(b, sh, ws, nsplit, out, st);
 }
 
-template <typename T, int D>
-void run_decode(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-                const AttnWorkspace& ws, int nsplit, int num_sms, cudaStream_t st) {
-  const RowsArgs a = rows_args(q, cache, b, sh, out, ws, nsplit, 1);
+template <typename T, int D, bool FUSED>
+void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Tensor& out, const AttnWorkspace& ws,
+                int num_sms, cudaStream_t st) {
   const int wpr = decode_warps_per_row(b, sh, num_sms);
   const unsigned blocks = unsigned(ceil_div(int64_t(b.num_tokens) * sh.kv_heads, kDecWarps / wpr));
-  if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1>, blocks, kDecWarps * 32, 0, st, a);
-  else if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2>, blocks, kDecWarps * 32, 0, st, a);
-  else launch_chained(attn_decode_kernel<T, D, kDecWarps>, dim3(unsigned(nsplit), unsigned(sh.kv_heads),
+  if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1, FUSED>, blocks, kDecWarps * 32, 0, st, a);
+  else if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2, FUSED>, blocks, kDecWarps * 32, 0, st, a);
+  else launch_chained(attn_decode_kernel<T, D, kDecWarps, FUSED>, dim3(unsigned(a.nsplit), unsigned(sh.kv_heads),
                       unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
-  if (nsplit > 1) launch_combine<T>(b, sh, ws, nsplit, out, st);
+  if (a.nsplit > 1) launch_combine<T>(b, sh, ws, a.nsplit, out, st);
 }
 
 template <typename T, int D, int BM>
@@ -1011,13 +1171,13 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
     }
   }
   const bool decode = aligned && decode_kernel_takes(b, sh, sizeof(T));
-  int nsplit = decode ? decode_splits(b, sh, num_sms) : choose_splits(b, sh, num_sms);
-  const size_t need = size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
-  if (nsplit > 1 && (ws.partial == nullptr || ws.bytes < need)) nsplit = 1;
+  const int nsplit = usable_splits(b, sh, ws, decode ? decode_splits(b, sh, num_sms) : choose_splits(b, sh, num_sms));
   if constexpr (sizeof(T) == 2) {
     if (decode) {
-      if (sh.head_dim == 64) run_decode<T, 64>(q, cache, b, sh, out, ws, nsplit, num_sms, st);
-      else run_decode<T, 128>(q, cache, b, sh, out, ws, nsplit, num_sms, st);
+      DecodeArgs a{};
+      static_cast<RowsArgs&>(a) = rows_args(q, cache, b, sh, out, ws, nsplit, 1);
+      if (sh.head_dim == 64) run_decode<T, 64, false>(a, b, sh, out, ws, num_sms, st);
+      else run_decode<T, 128, false>(a, b, sh, out, ws, num_sms, st);
       return;
     }
   }
@@ -1037,6 +1197,46 @@ size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms
                               decode_kernel_takes(b, sh, 2) ? decode_splits(b, sh, num_sms) : 1);
   if (nsplit <= 1) return 0;
   return size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
+}
+
+bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer& cache, const AttnBatch& b,
+                          const AttnShape& sh, Tensor& out, const AttnWorkspace& ws, int num_sms, cudaStream_t st) {
+  static const bool separate = [] {
+    const char* e = std::getenv("QWEN_RT_DECODE_FINISH");
+    return e && std::strcmp(e, "separate") == 0;
+  }();
+  const int D = sh.head_dim, es = int(dtype_size(qkv.dtype));
+  const RopeTable& tab = *fin.table;
+  const bool aligned = (reinterpret_cast<uintptr_t>(qkv.data) | reinterpret_cast<uintptr_t>(out.data) |
+                        uintptr_t(qkv.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
+  if (separate || !aligned || !decode_kernel_takes(b, sh, size_t(es)) || cache.dtype != qkv.dtype ||
+      qkv.cols != int64_t(sh.q_heads + 2 * sh.kv_heads) * D || b.kv_rows == nullptr || fin.positions == nullptr ||
+      tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
+      (fin.q_norm && fin.k_norm && fin.q_norm->dtype != fin.k_norm->dtype))
+    return false;  // the caller runs finish_qkv, then attention
+  check_shape(qkv, cache, b, sh, out);
+  if (b.num_tokens == 0 || b.num_seqs == 0) return true;
+  const int nsplit = usable_splits(b, sh, ws, decode_splits(b, sh, num_sms));
+  dispatch_act(qkv.dtype, "attention", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) == 2) {
+      DecodeArgs a{};
+      static_cast<RowsArgs&>(a) = rows_args(qkv, cache, b, sh, out, ws, nsplit, 1);
+      a.q_norm = fin.q_norm ? fin.q_norm->data : nullptr;
+      a.k_norm = fin.k_norm ? fin.k_norm->data : nullptr;
+      a.norm_t = fin.q_norm ? fin.q_norm->dtype : (fin.k_norm ? fin.k_norm->dtype : DType::F32);
+      a.eps = fin.eps;
+      a.zero_centred = fin.zero_centred;
+      a.positions = fin.positions;
+      a.cos_sin = tab.cos_sin;
+      a.rot_dim = tab.rot_dim;
+      a.max_pos = tab.max_positions;
+      a.kv_rows = b.kv_rows;
+      if (D == 64) run_decode<T, 64, true>(a, b, sh, out, ws, num_sms, st);
+      else run_decode<T, 128, true>(a, b, sh, out, ws, num_sms, st);
+    }
+  });
+  return true;
 }
 
 void launch_attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,

@@ -354,13 +354,26 @@ void CudaBackend::write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b,
                    stream_);
 }
 
-void CudaBackend::attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
-                            Tensor& out) {
-  set_device();
+AttnWorkspace CudaBackend::attn_workspace(const AttnBatch& b, const AttnShape& sh) {
   AttnWorkspace ws;
   ws.bytes = attn_workspace_bytes(b, sh, num_sms_);
   if (ws.bytes) ws.partial = static_cast<float*>(scratch(attn_ws_, ws.bytes, "attention workspace"));
-  launch_attention(q, cache, b, sh, out, ws, num_sms_, stream_);
+  return ws;
+}
+
+void CudaBackend::qkv_attention(Tensor& qkv, const AttnShape& s, const Tensor* qn, const Tensor* kn, float eps,
+                                bool zc, const int32_t* positions, const RopeTable& table, const AttnBatch& b,
+                                KvLayer& cache, Tensor& out) {
+  set_device();
+  const QkvFinish fin{qn, kn, eps, zc, positions, &table};
+  if (!launch_qkv_attention(qkv, fin, cache, b, s, out, attn_workspace(b, s), num_sms_, stream_))
+    Backend::qkv_attention(qkv, s, qn, kn, eps, zc, positions, table, b, cache, out);
+}
+
+void CudaBackend::attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                            Tensor& out) {
+  set_device();
+  launch_attention(q, cache, b, sh, out, attn_workspace(b, sh), num_sms_, stream_);
 }
 
 void CudaBackend::gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) {

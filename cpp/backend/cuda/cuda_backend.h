@@ -54,6 +54,9 @@ class CudaBackend final : public Backend {
   void finish_qkv(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
                   bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,
                   KvLayer& cache) override;
+  void qkv_attention(Tensor& qkv, const AttnShape& s, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                     bool zero_centred, const int32_t* positions, const RopeTable& table, const AttnBatch& batch,
+                     KvLayer& cache, Tensor& out) override;
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
                  Tensor& out) override;
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override;
@@ -77,6 +80,7 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
   };
   void* scratch(Scratch& s, size_t bytes, const char* what);
+  AttnWorkspace attn_workspace(const AttnBatch& b, const AttnShape& sh);  // the split workspace, grown to fit
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its

@@ -210,6 +210,19 @@ struct AttnWorkspace {
 size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms);
 void launch_attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
                       Tensor& out, const AttnWorkspace& ws, int num_sms, cudaStream_t s);
+// finish_qkv's inputs (ops.h), for launch_qkv_attention.
+struct QkvFinish {
+  const Tensor* q_norm = nullptr;
+  const Tensor* k_norm = nullptr;
+  float eps = 0.f;
+  bool zero_centred = false;
+  const int32_t* positions = nullptr;
+  const RopeTable* table = nullptr;
+};
+// finish_qkv of qkv and the attention of its q in one decode kernel (qkv itself is left as it was), when
+// the batch is one the decode kernel takes; otherwise returns false having done nothing.
+bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer& cache, const AttnBatch& b,
+                          const AttnShape& sh, Tensor& out, const AttnWorkspace& ws, int num_sms, cudaStream_t s);
 
 // Sampling (sampling.cu).
 struct SampleParamsDev {  // one row's parameters, as the kernel reads them
