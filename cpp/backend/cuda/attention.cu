@@ -640,7 +640,9 @@ constexpr int kDecMaxGroup = 16;                   // query heads per kv head (t
 // every block normalizes and rotates its query heads into shared memory; the block whose keys end with the
 // row's own (new) token normalizes and rotates that k, writes k and v to the cache at kv_rows, and counts the
 // new key from shared memory (its cache row is written, not read, by this kernel) as one more partial in the
-// warps' merge. q|k|v itself is left as it was.
+// warps' merge. q|k|v itself is left as it was. Used at 4 warps per row (small batches): at 1 warp per row
+// (batch 256) the prologue, not hidden behind other warps' loads, cost more than the separate finish kernel
+// (11.30 against 10.59 ms per step).
 struct DecodeArgs : RowsArgs {
   const void* q_norm;  // [head_dim] gains or null (no norm); k_norm likewise, both of norm_t
   const void* k_norm;
@@ -800,6 +802,37 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     }
   }
 
+  const int64_t kv_cols = int64_t(a.kv_heads) * D;
+  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
+  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
+  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+  // Cache row of key j; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
+  auto key_row = [&](int j) {
+    j = j < k_stop ? j : k_begin;
+    return int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
+  };
+
+  // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
+  // dims 64 g + 8 gid .. + 8 of it. A warp loads its next step's K and V before it works on the current one.
+  auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const T* kr = kbase + key_row(k0 + 8 * t + gid) * kv_cols + 8 * tig;
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const T* vr = vbase + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * kv_cols + 8 * gid;
+#pragma unroll
+      for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
+    }
+  };
+  constexpr int kStride = WPR * kDecKeys;
+  uint4 kv[2][D / 32], vv[4][NG];
+  int k0 = k_begin + (warp % WPR) * kDecKeys;
+  if (k0 < k_stop) load_step(k0, kv, vv);
+
   if constexpr (FUSED) {
     finish_pair<T, D, WPR>(a, row, kvh, has_row, owner, q_s + pair * 16 * D, kv_new[pair], s_new[pair]);
     __syncthreads();
@@ -826,41 +859,11 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     __syncthreads();  // q_s (in o_s) is read; the warps may now write o_s
   }
 
-  const int64_t kv_cols = int64_t(a.kv_heads) * D;
-  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
-  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
-  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
-  // Cache row of key j; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
-  auto key_row = [&](int j) {
-    j = j < k_stop ? j : k_begin;
-    return int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
-  };
-
   float o[NT][4];
 #pragma unroll
   for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
 
-  // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
-  // dims 64 g + 8 gid .. + 8 of it. A warp loads its next step's K and V before it works on the current one.
-  auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const T* kr = kbase + key_row(k0 + 8 * t + gid) * kv_cols + 8 * tig;
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const T* vr = vbase + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * kv_cols + 8 * gid;
-#pragma unroll
-      for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
-    }
-  };
-  constexpr int kStride = WPR * kDecKeys;
-  uint4 kv[2][D / 32], vv[4][NG];
-  int k0 = k_begin + (warp % WPR) * kDecKeys;
-  if (k0 < k_stop) load_step(k0, kv, vv);
   for (; k0 < k_stop; k0 += kStride) {
     uint4 kn[2][D / 32], vn[4][NG];
     if (k0 + kStride < k_stop) load_step(k0 + kStride, kn, vn);
@@ -1119,10 +1122,13 @@ void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Te
                 int num_sms, cudaStream_t st) {
   const int wpr = decode_warps_per_row(b, sh, num_sms);
   const unsigned blocks = unsigned(ceil_div(int64_t(b.num_tokens) * sh.kv_heads, kDecWarps / wpr));
-  if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1, FUSED>, blocks, kDecWarps * 32, 0, st, a);
-  else if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2, FUSED>, blocks, kDecWarps * 32, 0, st, a);
-  else launch_chained(attn_decode_kernel<T, D, kDecWarps, FUSED>, dim3(unsigned(a.nsplit), unsigned(sh.kv_heads),
-                      unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
+  if constexpr (!FUSED) {  // the fused kernel runs at 4 warps per row only (launch_qkv_attention)
+    if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1, false>, blocks, kDecWarps * 32, 0, st, a);
+    if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2, false>, blocks, kDecWarps * 32, 0, st, a);
+  }
+  if (wpr == kDecWarps)
+    launch_chained(attn_decode_kernel<T, D, kDecWarps, FUSED>,
+                   dim3(unsigned(a.nsplit), unsigned(sh.kv_heads), unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
   if (a.nsplit > 1) launch_combine<T>(b, sh, ws, a.nsplit, out, st);
 }
@@ -1212,7 +1218,8 @@ bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer
   if (separate || !aligned || !decode_kernel_takes(b, sh, size_t(es)) || cache.dtype != qkv.dtype ||
       qkv.cols != int64_t(sh.q_heads + 2 * sh.kv_heads) * D || b.kv_rows == nullptr || fin.positions == nullptr ||
       tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
-      (fin.q_norm && fin.k_norm && fin.q_norm->dtype != fin.k_norm->dtype))
+      (fin.q_norm && fin.k_norm && fin.q_norm->dtype != fin.k_norm->dtype) ||
+      decode_warps_per_row(b, sh, num_sms) != kDecWarps)
     return false;  // the caller runs finish_qkv, then attention
   check_shape(qkv, cache, b, sh, out);
   if (b.num_tokens == 0 || b.num_seqs == 0) return true;

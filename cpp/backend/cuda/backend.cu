@@ -13,7 +13,7 @@ namespace qrt::cuda {
 bool chained_launch_supported() {
   static const bool allowed = [] {
     const char* e = std::getenv("QWEN_RT_PDL");
-    return e && std::strcmp(e, "1") == 0;
+    return !(e && std::strcmp(e, "0") == 0);
   }();
   thread_local int dev = -1;
   thread_local bool ok = false;

@@ -2,13 +2,15 @@
 // x and w of the same dtype; fp32 accumulation.
 // Layout: two warps share a weight row, each streaming a contiguous half of it in 16-byte pieces (several
 // in flight per lane, read past L1) against the same pieces of every x row; a block of 8 warps takes 4
-// rows at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM walk the row groups), and a
+// rows at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM, default 4: one resident wave,
+// so a chained kernel after it finds room as soon as a block exits, walk the row groups), and a
 // warp loads the first pieces of its next row before it finishes the current one, so the weight stream
 // does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
 // arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
 // norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
-// step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches
-// there, but chained launches slowed the whole decode step: QWEN_RT_PDL stays off).
+// step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches).
+// Chained launches with a one-wave grid: Qwen3-8B batch 1 4.137 ms per step against 4.452 unchained with
+// 8 blocks per SM (two waves) and 4.417 unchained with 4.
 // Epilogues: Store; Add (out += the product rounded to out's dtype, what linear then add gives); SiluMul
 // (warp n also streams row n + N and writes silu(g) * u of the two rounded results, what linear then
 // silu_mul gives).
@@ -20,7 +22,7 @@
 // GEMV 19.3 us against 13.7 us without a norm (profile at 9335681).
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
-// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 8; 0: one block per row group, not persistent).
+// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 4; 0: one block per row group, not persistent).
 #include <cstdlib>
 #include <cstring>
 
@@ -37,7 +39,7 @@ constexpr int kRowsPerGroup = kThreads / 32 / kSplit;
 int64_t grid_blocks(int64_t groups, int num_sms) {
   static const int per_sm = [] {
     const char* e = std::getenv("QWEN_RT_GEMV_BLOCKS");
-    return e ? std::atoi(e) : 8;
+    return e ? std::atoi(e) : 4;
   }();
   if (per_sm <= 0) return groups;
   return std::min<int64_t>(groups, int64_t(num_sms) * per_sm);
