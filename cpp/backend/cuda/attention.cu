@@ -3,7 +3,8 @@
 //   shares each K/V tile; FMA math. Used for decode batches (split over the keys, flash-decoding,
 //   then a combine kernel) and for fp32 (the exactness mode).
 // - decode kernel (bf16/fp16, one query row per sequence): the rows kernel's job on tensor cores, K and V
-//   read straight into mma fragments; the same split and combine.
+//   read straight into mma fragments; the same split and combine. At small batches it also does
+//   finish_qkv's work for its rows (launch_qkv_attention).
 // - tile kernel (bf16/fp16): FlashAttention-2 style; a block holds 128 (token, head) rows of one
 //   sequence and one kv head, streams K/V pages through shared memory (cp.async, two stages) and
 //   computes QK^T and PV with mma.sync m16n8k16 tensor-core instructions, online softmax in fp32.
