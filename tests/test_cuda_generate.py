@@ -124,6 +124,16 @@ def test_tp1_through_nccl_unchanged(build):
     assert got == ref
 
 
+def test_more_ranks_than_devices_is_a_clear_error(build):
+    """tensor_parallel_size beyond the GPUs present: a ValueError naming it, before anything is loaded."""
+    folder = build("qwen3_hd64_gqa4")
+    n = _core.cuda_device_count()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        cuda_gen(folder, tensor_parallel_size=n + 1)
+    with cuda_gen(folder) as g:  # the process still makes a working Generator
+        assert g.generate([[1, 2, 3]], max_tokens=2, **GREEDY)[0].token_ids
+
+
 def test_out_of_memory_is_a_clear_error(build):
     """A KV pool larger than the device: an error naming the bytes, and the device stays usable."""
     folder = build("qwen3_hd64_gqa4")
