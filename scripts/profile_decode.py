@@ -3,6 +3,7 @@ real config), taken with torch.profiler (CUPTI sees the plugin's kernels too). C
 every kernel is recorded by name; the step time with graphs on is printed beside it.
 
     python scripts/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
+        [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     lines = []
@@ -36,10 +39,11 @@ def main():
             lines.append(f"{a.model} batch {a.batch}: decode step {ms:.3f} ms with cuda_graphs={graphs}")
             if graphs:
                 continue
-            g.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
+            sampling = dict(ignore_eos=True, temperature=a.temperature, top_p=a.top_p)
+            g.generate(prompts, max_tokens=1, **sampling)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                g.generate(prompts, max_tokens=a.tokens + 1, ignore_eos=True, temperature=0)
+                g.generate(prompts, max_tokens=a.tokens + 1, **sampling)
                 torch.cuda.synchronize()
     # Per kernel: total device time over the profiled call; the prefill step is a small share of it.
     rows = {}
