@@ -122,6 +122,16 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
     }
 }
 
+// An x row for the AVX2 bf16 tiles (tile_bf16_pairs): each whole 16-element block as its 8 even elements,
+// then its 8 odd ones; the tail stays in place.
+inline void permute_x_pairs(float* row, int64_t K) {
+  float t[kLanes];
+  for (int64_t k = 0; k + kLanes <= K; k += kLanes) {
+    for (int j = 0; j < 8; ++j) t[j] = row[k + 2 * j], t[8 + j] = row[k + 2 * j + 1];
+    std::memcpy(row + k, t, sizeof t);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr bool kAvx2Tiles = true;
 
@@ -185,6 +195,91 @@ void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, in
     }
 }
 
+// bf16 weights against x permuted within each 16-element block (its 8 even elements, then its 8 odd ones):
+// one 16-element load of a weight row gives the even elements (shifted up) and the odd ones (masked) as
+// fp32, i.e. the lanes of residues 2j and 2j + 1. Every residue accumulates the same products in the same K
+// order as tile_avx2, and the lanes go back to residue order for the same lane sum: bit-identical results,
+// with fewer instructions per weight (one tile row: both residue sets in one pass over the weights).
+inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 bf16_odd(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+}
+// lane_sum of the residues r[2j] = even[j], r[2j + 1] = odd[j].
+inline float lane_sum_pairs(__m256 even, __m256 odd) {
+  const __m256 a = _mm256_unpacklo_ps(even, odd), b = _mm256_unpackhi_ps(even, odd);
+  return lane_sum(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Rows of permuted x (x_pairs) against rows of bf16 w; the tail past K / 16 * 16 is in place, as in tile_avx2.
+template <int mr, int nr>
+void tile_bf16_pairs(const float* xp, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
+  const int64_t kv = K / kLanes * kLanes;
+  auto wrow = [&](int j, int64_t k) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(w + j * ldw_bytes) + k));
+  };
+  float part[2][mr][nr][8];
+  if constexpr (mr == 1) {  // 2 nr accumulators: even and odd residues in one pass
+    __m256 ae[nr], ao[nr];
+#pragma GCC unroll 8
+    for (int j = 0; j < nr; ++j) ae[j] = ao[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      const __m256 xe = _mm256_loadu_ps(xp + k), xo = _mm256_loadu_ps(xp + k + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < nr; ++j) {
+        const __m256i v = wrow(j, k);
+        ae[j] = _mm256_fmadd_ps(xe, bf16_even(v), ae[j]);
+        ao[j] = _mm256_fmadd_ps(xo, bf16_odd(v), ao[j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < nr; ++j) {
+      _mm256_storeu_ps(part[0][0][j], ae[j]);
+      _mm256_storeu_ps(part[1][0][j], ao[j]);
+    }
+  } else {  // even residues, then odd ones (the second pass reads the tile's weights from cache)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[mr][nr];
+#pragma GCC unroll 8
+      for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < kv; k += kLanes) {
+        __m256 wv[nr];
+#pragma GCC unroll 8
+        for (int j = 0; j < nr; ++j) wv[j] = h == 0 ? bf16_even(wrow(j, k)) : bf16_odd(wrow(j, k));
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; ++i) {
+          const __m256 xv = _mm256_loadu_ps(xp + i * ldx + k + 8 * h);
+#pragma GCC unroll 8
+          for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part[h][i][j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) {
+      float tail = 0.f;
+      for (int64_t k = kv; k < K; ++k) tail += xp[i * ldx + k] * load_w1<DType::BF16>(w + j * ldw_bytes, k);
+      res[i][j] = lane_sum_pairs(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
+    }
+}
+
+template <int mr>
+void tile_pairs_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
+  constexpr int cap = mr <= 2 ? 4 : 3;
+  if constexpr (mr <= 4) {
+    if (nr >= cap) tile_bf16_pairs<mr, cap>(x, ldx, w, ldw, K, res);
+    else if (nr == 3) tile_bf16_pairs<mr, 3>(x, ldx, w, ldw, K, res);
+    else if (nr == 2) tile_bf16_pairs<mr, 2>(x, ldx, w, ldw, K, res);
+    else tile_bf16_pairs<mr, 1>(x, ldx, w, ldw, K, res);
+  }
+}
+
 // Tiles: 1 x 4 (decode), 2 x 4, 3 x 3 and 4 x 3: at most 12 accumulators and their operands in 16 registers.
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
@@ -230,12 +325,24 @@ void widen_row(const char* w, int64_t K, float* dst) {
 }
 
 template <DType WT>
-void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
+void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res,
+              bool x_pairs) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (WT == DType::BF16) {
+    if (x_pairs) {
+      with_rows(mr, [&](auto rows) { tile_pairs_n<decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
+      return;
+    }
+  }
+#endif
+  (void)x_pairs;
   with_rows(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
 }
 
+// x_pairs: x's rows are permuted for tile_bf16_pairs (bf16 weights, AVX2, fewer than 16 rows).
 template <DType WT>
-void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
+void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate,
+            bool x_pairs = false) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   const int64_t esz = int64_t(dtype_size(WT));
   const int64_t ldw = w.stride * esz;
@@ -267,9 +374,9 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
           const float* xr = xp + m0 * x.stride;
           if (widen)
             run_tile<DType::F32>(mr, nr, xr, x.stride, reinterpret_cast<const char*>(wide.data() + (n0 - n_begin) * K),
-                                 K * 4, K, res);
+                                 K * 4, K, res, false);
           else
-            run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res);
+            run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res, x_pairs);
           store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
         }
       }
@@ -378,11 +485,14 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int
 #else
       {  // same products as the dot-product path: x rounded to bf16
         std::vector<float> xr(size_t(x.rows * x.cols));
-        for (int64_t r = 0; r < x.rows; ++r)
+        const bool pairs = kAvx2Tiles && x.rows < 16;  // 16+ rows widen the weights to fp32 instead
+        for (int64_t r = 0; r < x.rows; ++r) {
           for (int64_t k = 0; k < x.cols; ++k)
             xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
+          if (pairs) permute_x_pairs(xr.data() + r * x.cols, x.cols);
+        }
         Tensor xt(xr.data(), DType::F32, x.rows, x.cols);
-        gemm_t<DType::BF16>(xt, w, bias, out, threads, accumulate);
+        gemm_t<DType::BF16>(xt, w, bias, out, threads, accumulate, pairs);
       }
 #endif
       break;
