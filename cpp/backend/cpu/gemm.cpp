@@ -157,13 +157,12 @@ inline float lane_sum(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(q);
 }
 
-// tile() with each 16-lane accumulator held as two 8-lane halves: lanes 0-7 take the elements k with
-// k % 16 < 8, lanes 8-15 the others, each in K order through fused multiply-adds. The halves are two
-// passes over the tile's rows (the second from cache), so only mr x nr accumulators are live at a time.
-template <DType WT, int mr, int nr>
-void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
-  const int64_t kv = K / kLanes * kLanes;
-  float part[2][mr][nr][8];
+// The two passes of an AVX2 tile: pass h multiplies the 8 elements x[i][kb + 8 h ..] by weight(h, j, kb),
+// the 8-lane weight vector of row j that pairs with them, for every whole 16-element block kb, each lane
+// in K order through fused multiply-adds; part[h][i][j] gets pass h's 8 lanes. The second pass reads the
+// tile's weights from cache, so only mr x nr accumulators are live at a time.
+template <int mr, int nr, typename WeightVec>
+inline void accumulate_halves(const float* x, int64_t ldx, int64_t kv, WeightVec weight, float (&part)[2][mr][nr][8]) {
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     __m256 acc[mr][nr];
@@ -171,13 +170,13 @@ void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, in
     for (int i = 0; i < mr; ++i)
 #pragma GCC unroll 8
       for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 8 * h; k < kv; k += kLanes) {
+    for (int64_t kb = 0; kb < kv; kb += kLanes) {
       __m256 wv[nr];
 #pragma GCC unroll 8
-      for (int j = 0; j < nr; ++j) wv[j] = load_w8<WT>(w + j * ldw_bytes, k);
+      for (int j = 0; j < nr; ++j) wv[j] = weight(h, j, kb);
 #pragma GCC unroll 8
       for (int i = 0; i < mr; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + kb + 8 * h);
 #pragma GCC unroll 8
         for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
       }
@@ -187,12 +186,30 @@ void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, in
 #pragma GCC unroll 8
       for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part[h][i][j], acc[i][j]);
   }
+}
+
+// res[i][j]: the lanes of part[.][i][j] added by lane_sum2(pass 0, pass 1), plus the products past kv in K order.
+template <DType WT, int mr, int nr, typename LaneSum2>
+inline void finish_halves(const float (&part)[2][mr][nr][8], LaneSum2 lane_sum2, const float* x, int64_t ldx,
+                          const char* w, int64_t ldw_bytes, int64_t kv, int64_t K, TileResult& res) {
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float tail = 0.f;
       for (int64_t k = kv; k < K; ++k) tail += x[i * ldx + k] * load_w1<WT>(w + j * ldw_bytes, k);
-      res[i][j] = lane_sum(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
+      res[i][j] = lane_sum2(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
     }
+}
+
+// tile() with each 16-lane accumulator held as two 8-lane halves: lanes 0-7 take the elements k with
+// k % 16 < 8, lanes 8-15 the others (accumulate_halves).
+template <DType WT, int mr, int nr>
+void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
+  const int64_t kv = K / kLanes * kLanes;
+  float part[2][mr][nr][8];
+  accumulate_halves<mr, nr>(x, ldx, kv, [&](int h, int j, int64_t kb) {
+    return load_w8<WT>(w + j * ldw_bytes, kb + 8 * h);
+  }, part);
+  finish_halves<WT>(part, [](__m256 lo, __m256 hi) { return lane_sum(lo, hi); }, x, ldx, w, ldw_bytes, kv, K, res);
 }
 
 // bf16 weights against x permuted within each 16-element block (its 8 even elements, then its 8 odd ones):
@@ -236,62 +253,31 @@ void tile_bf16_pairs(const float* xp, int64_t ldx, const char* w, int64_t ldw_by
       _mm256_storeu_ps(part[0][0][j], ae[j]);
       _mm256_storeu_ps(part[1][0][j], ao[j]);
     }
-  } else {  // even residues, then odd ones (the second pass reads the tile's weights from cache)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[mr][nr];
-#pragma GCC unroll 8
-      for (int i = 0; i < mr; ++i)
-#pragma GCC unroll 8
-        for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < kv; k += kLanes) {
-        __m256 wv[nr];
-#pragma GCC unroll 8
-        for (int j = 0; j < nr; ++j) wv[j] = h == 0 ? bf16_even(wrow(j, k)) : bf16_odd(wrow(j, k));
-#pragma GCC unroll 8
-        for (int i = 0; i < mr; ++i) {
-          const __m256 xv = _mm256_loadu_ps(xp + i * ldx + k + 8 * h);
-#pragma GCC unroll 8
-          for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < mr; ++i)
-#pragma GCC unroll 8
-        for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part[h][i][j], acc[i][j]);
-    }
+  } else {  // even residues, then odd ones
+    accumulate_halves<mr, nr>(xp, ldx, kv, [&](int h, int j, int64_t kb) {
+      return h == 0 ? bf16_even(wrow(j, kb)) : bf16_odd(wrow(j, kb));
+    }, part);
   }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) {
-      float tail = 0.f;
-      for (int64_t k = kv; k < K; ++k) tail += xp[i * ldx + k] * load_w1<DType::BF16>(w + j * ldw_bytes, k);
-      res[i][j] = lane_sum_pairs(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
-    }
+  finish_halves<DType::BF16>(part, lane_sum_pairs, xp, ldx, w, ldw_bytes, kv, K, res);
 }
 
-template <int mr>
-void tile_pairs_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
+// Calls f(std::integral_constant<int, nc>) for the AVX2 tile width nc = min(nr, cap) of a tile of mr rows:
+// 1 x 4 (decode), 2 x 4, 3 x 3 and 4 x 3, at most 12 accumulators and their operands in 16 registers.
+template <int mr, typename F>
+void with_avx2_cols(int nr, F&& f) {
   constexpr int cap = mr <= 2 ? 4 : 3;
-  if constexpr (mr <= 4) {
-    if (nr >= cap) tile_bf16_pairs<mr, cap>(x, ldx, w, ldw, K, res);
-    else if (nr == 3) tile_bf16_pairs<mr, 3>(x, ldx, w, ldw, K, res);
-    else if (nr == 2) tile_bf16_pairs<mr, 2>(x, ldx, w, ldw, K, res);
-    else tile_bf16_pairs<mr, 1>(x, ldx, w, ldw, K, res);
-  }
+  if (nr >= cap) f(std::integral_constant<int, cap>{});
+  else if (nr == 3) f(std::integral_constant<int, 3>{});
+  else if (nr == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
 }
 
-// Tiles: 1 x 4 (decode), 2 x 4, 3 x 3 and 4 x 3: at most 12 accumulators and their operands in 16 registers.
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
-  constexpr int cap = mr <= 2 ? 4 : 3;
-  if constexpr (mr <= 4) {
-    if (nr >= cap) tile_avx2<WT, mr, cap>(x, ldx, w, ldw, K, res);
-    else if (nr == 3) tile_avx2<WT, mr, 3>(x, ldx, w, ldw, K, res);
-    else if (nr == 2) tile_avx2<WT, mr, 2>(x, ldx, w, ldw, K, res);
-    else tile_avx2<WT, mr, 1>(x, ldx, w, ldw, K, res);
-  } else {
+  if constexpr (mr <= 4)
+    with_avx2_cols<mr>(nr, [&](auto cols) { tile_avx2<WT, mr, decltype(cols)::value>(x, ldx, w, ldw, K, res); });
+  else
     tile<WT, mr, 1>(x, ldx, w, ldw, K, res);  // not planned (tile heights stay <= 4)
-  }
 }
 #else
 constexpr bool kAvx2Tiles = false;
@@ -330,7 +316,13 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (WT == DType::BF16) {
     if (x_pairs) {
-      with_rows(mr, [&](auto rows) { tile_pairs_n<decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
+      with_rows(mr, [&](auto rows) {
+        constexpr int rows_v = decltype(rows)::value;
+        if constexpr (rows_v <= 4)
+          with_avx2_cols<rows_v>(nr, [&](auto cols) {
+            tile_bf16_pairs<rows_v, decltype(cols)::value>(x, ldx, w, ldw, K, res);
+          });
+      });
       return;
     }
   }
