@@ -90,6 +90,30 @@ class OpHarness {
     return d;
   }
 
+  // A ragged batch of num_tokens query rows on the device, with its host-side maxima.
+  struct Batch {
+    Dev q_start, ctx_len, page_table, kv_rows;
+    AttnBatch b;
+  };
+  Batch batch(const I32In& q_start, const I32In& ctx_len, const I32In& page_table, const I32In& kv_rows,
+              int page_size, int64_t num_tokens) {
+    Batch d{up_ids(q_start), up_ids(ctx_len), up_ids(page_table), up_ids(kv_rows), {}};
+    AttnBatch& b = d.b;
+    b.num_seqs = int(ctx_len.size());
+    b.num_tokens = int(num_tokens);
+    b.q_start = d.q_start.t.ptr<int32_t>();
+    b.ctx_len = d.ctx_len.t.ptr<int32_t>();
+    b.page_table = d.page_table.t.ptr<int32_t>();
+    b.kv_rows = d.kv_rows.t.ptr<int32_t>();
+    b.max_pages = b.num_seqs ? int(page_table.size()) / b.num_seqs : 0;
+    b.page_size = page_size;
+    for (int s = 0; s < b.num_seqs; ++s) {
+      b.max_q_len = std::max(b.max_q_len, q_start.data()[s + 1] - q_start.data()[s]);
+      b.max_ctx_len = std::max(b.max_ctx_len, ctx_len.data()[s]);
+    }
+    return d;
+  }
+
   Backend& be() { return *be_; }
 
  private:
@@ -207,22 +231,8 @@ void bind_op_harness(nb::module_& m) {
               I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale) {
              Dev qd = h.up(q, h.act()), kd = h.up(k, h.act()), vd = h.up(v, h.act());
              Dev kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
-             Dev qs = h.up_ids(q_start), cl = h.up_ids(ctx_len), pt = h.up_ids(page_table), kr = h.up_ids(kv_rows);
-             AttnBatch b;
-             b.num_seqs = int(ctx_len.size());
-             b.num_tokens = int(qd.t.rows);
-             b.q_start = qs.t.ptr<int32_t>();
-             b.ctx_len = cl.t.ptr<int32_t>();
-             b.page_table = pt.t.ptr<int32_t>();
-             b.kv_rows = kr.t.ptr<int32_t>();
-             b.max_pages = b.num_seqs ? int(page_table.size()) / b.num_seqs : 0;
-             b.page_size = page_size;
-             const int32_t* qsh = q_start.data();
-             const int32_t* clh = ctx_len.data();
-             for (int s = 0; s < b.num_seqs; ++s) {
-               b.max_q_len = std::max(b.max_q_len, qsh[s + 1] - qsh[s]);
-               b.max_ctx_len = std::max(b.max_ctx_len, clh[s]);
-             }
+             const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, qd.t.rows);
+             const AttnBatch& b = batch.b;
              KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
              h.be().write_kv(kd.t, vd.t, b, cache);
              Dev o = h.empty(qd.t.rows, qd.t.cols, h.act());
@@ -254,24 +264,12 @@ void bind_op_harness(nb::module_& m) {
               I32In kv_rows, int page_size, I32In positions, F32In cs, int hq, int hkv, int hd, float scale,
               std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {
              Dev x = h.up(qkv, h.act()), kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
-             Dev qs = h.up_ids(q_start), cl = h.up_ids(ctx_len), pt = h.up_ids(page_table), kr = h.up_ids(kv_rows);
+             const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, x.t.rows);
+             const AttnBatch& b = batch.b;
              Dev pd = h.up_ids(positions), cd = h.up(cs, DType::F32);
              std::optional<Dev> qn, kn;
              if (q_norm) qn = h.up(*q_norm, DType::F32);
              if (k_norm) kn = h.up(*k_norm, DType::F32);
-             AttnBatch b;
-             b.num_seqs = int(ctx_len.size());
-             b.num_tokens = int(x.t.rows);
-             b.q_start = qs.t.ptr<int32_t>();
-             b.ctx_len = cl.t.ptr<int32_t>();
-             b.page_table = pt.t.ptr<int32_t>();
-             b.kv_rows = kr.t.ptr<int32_t>();
-             b.max_pages = b.num_seqs ? int(page_table.size()) / b.num_seqs : 0;
-             b.page_size = page_size;
-             for (int s = 0; s < b.num_seqs; ++s) {
-               b.max_q_len = std::max(b.max_q_len, q_start.data()[s + 1] - q_start.data()[s]);
-               b.max_ctx_len = std::max(b.max_ctx_len, ctx_len.data()[s]);
-             }
              AttnShape sh{hq, hkv, hd, scale};
              RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
              KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
