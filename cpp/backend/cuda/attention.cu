@@ -1165,8 +1165,7 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
                const AttnWorkspace& ws, int num_sms, cudaStream_t st) {
   const int group = sh.q_heads / sh.kv_heads;
   const int es = int(sizeof(T));
-  const bool aligned = (reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out.data) |
-                        uintptr_t(q.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
+  const bool aligned = aligned16(q.data, q.stride * es) && aligned16(out.data, out.stride * es);
   const bool tile = sizeof(T) == 2 && b.max_q_len > 1 && group <= kTileMaxGroup && aligned;
   if (tile) {
     if constexpr (sizeof(T) == 2) {
@@ -1214,8 +1213,7 @@ bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer
   }();
   const int D = sh.head_dim, es = int(dtype_size(qkv.dtype));
   const RopeTable& tab = *fin.table;
-  const bool aligned = (reinterpret_cast<uintptr_t>(qkv.data) | reinterpret_cast<uintptr_t>(out.data) |
-                        uintptr_t(qkv.stride * es) | uintptr_t(out.stride * es)) % 16 == 0;
+  const bool aligned = aligned16(qkv.data, qkv.stride * es) && aligned16(out.data, out.stride * es);
   if (separate || !aligned || !decode_kernel_takes(b, sh, size_t(es)) || cache.dtype != qkv.dtype ||
       qkv.cols != int64_t(sh.q_heads + 2 * sh.kv_heads) * D || b.kv_rows == nullptr || fin.positions == nullptr ||
       tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
