@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: per-kernel device time of qwen_rt decode steps (dummy weights,
-real config), taken with torch.profiler (CUPTI sees the plugin's kernels too). CUDA graphs are off so
-every kernel is recorded by name; the step time with graphs on is printed beside it.
+real config), taken with torch.profiler (CUPTI sees the plugin's kernels too): a call of N decode steps
+less a call of the prefill alone. CUDA graphs are off so every kernel is recorded by name; the step time
+with graphs on is printed beside it.
 
     python scripts/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
         [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
@@ -41,20 +42,24 @@ def main():
                 continue
             sampling = dict(ignore_eos=True, temperature=a.temperature, top_p=a.top_p)
             g.generate(prompts, max_tokens=1, **sampling)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                g.generate(prompts, max_tokens=a.tokens + 1, **sampling)
+            # Per kernel: device time of a call with a.tokens decode steps less that of the prefill alone.
+            rows, prefill_us = {}, 0.0
+            for steps, sign in ((a.tokens, 1), (0, -1)):
                 torch.cuda.synchronize()
-    # Per kernel: total device time over the profiled call; the prefill step is a small share of it.
-    rows = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        r = rows.setdefault(e.name[:140], [0, 0.0])
-        r[0] += 1
-        r[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    g.generate(prompts, max_tokens=steps + 1, **sampling)
+                    torch.cuda.synchronize()
+                for e in prof.events():
+                    if e.device_type != torch.autograd.DeviceType.CUDA:
+                        continue
+                    r = rows.setdefault(e.name[:140], [0, 0.0])
+                    r[0] += sign
+                    us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                    r[1] += sign * us
+                    prefill_us += us if sign < 0 else 0.0
+            lines.append(f"prefill of {a.batch} x {a.prompt_len} tokens (+1 sampled): {prefill_us / 1e3:.2f} ms of kernels")
     total = sum(v[1] for v in rows.values())
-    lines.append(f"kernel time over {a.tokens} decode steps (+1 prefill): {total / 1e3:.2f} ms, "
+    lines.append(f"kernel time of {a.tokens} decode steps (prefill subtracted): {total / 1e3:.2f} ms, "
                  f"{total / 1e3 / a.tokens:.3f} ms per step")
     lines.append(f"{'us/step':>9} {'share':>6} {'calls':>6}  kernel")
     for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:30]:

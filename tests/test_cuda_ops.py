@@ -665,6 +665,27 @@ def test_sample_matches_cpu(cpu, vocab, n):
     assert np.allclose(tb[fin], ta[fin], atol=1e-4)
 
 
+def test_sample_draw_paths_match_cpu(cpu):
+    # The kernel draws a small top_k from a short candidate list (falling back to whole-row searches when
+    # more than 1024 tokens tie at its bound), top_p alone by rejection, and anything else over the whole
+    # row: each path against the CPU backend.
+    rng = np.random.default_rng(21)
+    vocab = 151936
+    logits = rng.normal(0, 2, size=(24, vocab)).astype(np.float32)
+    logits[3] = 0.0  # all tied: the candidate list overflows
+    logits[4, : vocab // 2] = 1.0  # half tied at the top
+    logits[5, 100:140] = logits[5].max() + 0.5  # 40 tied maxima
+    cases = [dict(top_k=20), dict(top_k=20, top_p=0.95), dict(top_k=20, top_p=0.95), dict(top_k=20, top_p=0.9),
+             dict(top_k=50, top_p=0.8), dict(top_k=30, top_p=0.5, min_p=0.1), dict(top_k=1024), dict(top_k=1025),
+             dict(top_k=3000, top_p=0.9), dict(top_p=0.95), dict(top_p=0.3, min_p=0.05), dict(top_k=vocab, top_p=0.9),
+             dict(top_k=2, temperature=0.3), dict(top_k=200, top_p=0.99), dict(top_p=0.999), dict(top_k=1000, top_p=0.7)]
+    rows = [row(**{"temperature": 0.8, "seed": 7 + i, "draw": i, **cases[i % len(cases)]}) for i in range(24)]
+    a = cpu.sample(logits, rows)
+    b = harness(DEVICE, "float32").sample(logits, rows)
+    assert list(b["tokens"]) == list(a["tokens"])
+    assert np.allclose(np.asarray(b["logprobs"]), np.asarray(a["logprobs"]), atol=1e-4)
+
+
 def test_sample_ties_bf16_logits(cpu):
     # bf16-valued logits have many exact ties, at the top_k and top_p cut points too.
     rng = np.random.default_rng(11)

@@ -109,6 +109,23 @@ struct AttnArgs {
   int64_t out_stride;
 };
 
+// One sequence's kv head in the paged cache: key j's K row is k + row(j) * cols (V likewise).
+template <typename T> struct KvHead {
+  const T* k;
+  const T* v;
+  int64_t cols;
+  const int32_t* pages;
+  int page_size;
+  __device__ __forceinline__ int64_t row(int j) const {
+    return int64_t(pages[j / page_size]) * page_size + (j % page_size);
+  }
+};
+template <typename T, int D>
+__device__ __forceinline__ KvHead<T> kv_head(const AttnArgs& a, int seq, int kvh) {
+  return {static_cast<const T*>(a.kc) + int64_t(kvh) * D, static_cast<const T*>(a.vc) + int64_t(kvh) * D,
+          int64_t(a.kv_heads) * D, a.page_table + int64_t(seq) * a.max_pages, a.page_size};
+}
+
 struct RowsArgs : AttnArgs {
   int num_seqs, gsubs, q_heads;
   float* part;  // nsplit > 1: [rows, q_heads, nsplit, D] outputs then [rows, q_heads, nsplit, 2] (m, l)
@@ -185,10 +202,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     return;
   }
 
-  const int64_t kv_cols = int64_t(a.kv_heads) * D;
-  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
-  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
-  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
 
   auto issue = [&](int k0, int stage) {
     T* ks = kvs + stage * 2 * TILE * LD;
@@ -197,9 +211,9 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
       const int t = c / CPR, part = c - t * CPR;
       const int j = k0 + t;
       const bool ok = j < k_end;
-      const int64_t crow = ok ? int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size) : 0;
-      cp_async16(ks + t * LD + part * EPC, kbase + crow * kv_cols + part * EPC, ok);
-      cp_async16(vs + t * LD + part * EPC, vbase + crow * kv_cols + part * EPC, ok);
+      const int64_t crow = ok ? cache.row(j) * cache.cols : 0;
+      cp_async16(ks + t * LD + part * EPC, cache.k + crow + part * EPC, ok);
+      cp_async16(vs + t * LD + part * EPC, cache.v + crow + part * EPC, ok);
     }
     cp_async_commit();
   };
@@ -460,10 +474,7 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
   const int n_keys = max_pos + 1;
   const int n_tiles = (n_keys + BN - 1) / BN;
 
-  const int64_t kv_cols = int64_t(a.kv_heads) * D;
-  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
-  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
-  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
+  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
 
   // Q rows: r -> (token t0 + r / G, head kvh * G + r % G).
   for (int c = tid; c < BM * CPR; c += Cfg::kThreads) {
@@ -480,9 +491,9 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
       const int t = c / CPR, part = c - t * CPR;
       const int key = j * BN + t;
       const bool ok = key < n_keys;
-      const int64_t crow = ok ? int64_t(pages[key / a.page_size]) * a.page_size + (key % a.page_size) : 0;
-      cp_async16(ks + t * LD + part * 8, kbase + crow * kv_cols + part * 8, ok);
-      cp_async16(vs + t * LD + part * 8, vbase + crow * kv_cols + part * 8, ok);
+      const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
+      cp_async16(ks + t * LD + part * 8, cache.k + crow + part * 8, ok);
+      cp_async16(vs + t * LD + part * 8, cache.v + crow + part * 8, ok);
     }
     cp_async_commit();
   };
@@ -661,15 +672,15 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// FUSED prologue, run by the WPR warps of one pair (row, kv head): its G query heads normalized (q_norm),
+// FUSED prologue, run by the block's warps for its pair (row, kv head): its G query heads normalized (q_norm),
 // rotated and rounded to T into q_s [G][D]; the owner also makes the new k (k_norm, rotation) and v, rounds
 // them to T into kv_new [2][D] and writes them to the cache at kv_rows[row]. A head's D / 8 16-byte pieces
 // sit in D / 8 consecutive lanes (the norm's sum and the rotation partner are lane shuffles).
-template <typename T, int D, int WPR>
+template <typename T, int D>
 __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kvh, bool has_row, bool owner, T* q_s,
                                             T (&kv_new)[2][D], float (&s_new)[16]) {
   constexpr int CPH = D / 8;  // pieces per head
-  const int G = a.group, tp = (int(threadIdx.x) >> 5) % WPR * 32 + (int(threadIdx.x) & 31);
+  const int G = a.group, tp = threadIdx.x;
   const int heads = has_row ? G + (owner ? 2 : 0) : 0;  // q heads, then k and v
   const int hq = a.kv_heads * G;
   const T* src = static_cast<const T*>(a.q) + int64_t(has_row ? row : 0) * a.q_stride;
@@ -677,7 +688,7 @@ __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kv
   const bool rotate = pos >= 0 && pos < a.max_pos;
   const int half = a.rot_dim / 2;
   const float* cs = a.cos_sin + int64_t(rotate ? pos : 0) * a.rot_dim;
-  for (int base = tp - (tp & 31); base < heads * CPH; base += WPR * 32) {  // warp-uniform bound
+  for (int base = tp - (tp & 31); base < heads * CPH; base += kDecWarps * 32) {  // warp-uniform bound
     const int c = base + (tp & 31), h = c / CPH, piece = c % CPH;
     const bool valid = c < heads * CPH;
     const int col = h < G ? (kvh * G + h) * D : (hq + (h - G) * a.kv_heads + kvh) * D;
@@ -707,7 +718,7 @@ __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kv
         f[k] = f[k] * inv * (a.zero_centred ? 1.0f + g : g);
       }
     }
-    if (rotate) {  // uniform over the pair
+    if (rotate) {  // uniform over the block
       const int d0 = piece * 8;
       const bool first = d0 < half, second = !first && d0 < 2 * half;
 #pragma unroll
@@ -734,13 +745,13 @@ __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kv
 }
 
 // FUSED, after finish_pair and a barrier: the owner's score of the new key for each query head, in log2 units.
-template <typename T, int D, int WPR>
+template <typename T, int D>
 __device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row, bool owner, const T* q_s,
                                                const T* k_new, float (&s_new)[16]) {
   constexpr int CPH = D / 8;
-  if (!has_row || !owner) return;  // uniform over the pair's warps
-  const int G = a.group, tp = (int(threadIdx.x) >> 5) % WPR * 32 + (int(threadIdx.x) & 31);
-  for (int base = tp - (tp & 31); base < G * CPH; base += WPR * 32) {
+  if (!has_row || !owner) return;  // uniform over the block
+  const int G = a.group, tp = threadIdx.x;
+  for (int base = tp - (tp & 31); base < G * CPH; base += kDecWarps * 32) {
     const int c = base + (tp & 31), h = c / CPH, piece = c % CPH;
     float dot = 0.f;
     if (c < G * CPH) {
@@ -766,13 +777,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
   constexpr int PAIRS = kDecWarps / WPR;
   static_assert(kDecWarps % WPR == 0, "warps per row");
+  static_assert(!FUSED || WPR == kDecWarps, "the fused prologue is written for one pair per block");
   __shared__ __align__(16) float o_s[kDecWarps][16][LDO];
   __shared__ float m_s[kDecWarps][16], l_s[kDecWarps][16];
-  // FUSED: the pairs' normalized, rotated query heads (aliasing o_s, which is written only after the main
+  // FUSED: the pair's normalized, rotated query heads (aliasing o_s, which is written only after the main
   // loop), the new k and v, and the new key's score per query head (-inf: not this block's key).
-  __shared__ __align__(16) T kv_new[FUSED ? PAIRS : 1][2][D];
-  __shared__ float s_new[FUSED ? PAIRS : 1][16];
-  static_assert(sizeof(T) * PAIRS * 16 * D <= sizeof(float) * kDecWarps * 16 * LDO, "q_s fits in o_s");
+  __shared__ __align__(16) T kv_new[2][D];
+  __shared__ float s_new[16];
+  static_assert(sizeof(T) * 16 * D <= sizeof(float) * kDecWarps * 16 * LDO, "q_s fits in o_s");
   T* const q_s = reinterpret_cast<T*>(&o_s[0][0][0]);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int G = a.group;
@@ -803,28 +815,22 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     }
   }
 
-  const int64_t kv_cols = int64_t(a.kv_heads) * D;
-  const int32_t* pages = a.page_table + int64_t(s) * a.max_pages;
-  const T* kbase = static_cast<const T*>(a.kc) + int64_t(kvh) * D;
-  const T* vbase = static_cast<const T*>(a.vc) + int64_t(kvh) * D;
-  // Cache row of key j; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
-  auto key_row = [&](int j) {
-    j = j < k_stop ? j : k_begin;
-    return int64_t(pages[j / a.page_size]) * a.page_size + (j % a.page_size);
-  };
+  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
+  // Offset of key j's cache row; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
+  auto key_row = [&](int j) { return cache.row(j < k_stop ? j : k_begin) * cache.cols; };
 
   // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
   // dims 64 g + 8 gid .. + 8 of it. A warp loads its next step's K and V before it works on the current one.
   auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const T* kr = kbase + key_row(k0 + 8 * t + gid) * kv_cols + 8 * tig;
+      const T* kr = cache.k + key_row(k0 + 8 * t + gid) + 8 * tig;
 #pragma unroll
       for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const T* vr = vbase + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * kv_cols + 8 * gid;
+      const T* vr = cache.v + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) + 8 * gid;
 #pragma unroll
       for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
     }
@@ -835,7 +841,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   if (k0 < k_stop) load_step(k0, kv, vv);
 
   if constexpr (FUSED) {
-    finish_pair<T, D, WPR>(a, row, kvh, has_row, owner, q_s + pair * 16 * D, kv_new[pair], s_new[pair]);
+    finish_pair<T, D>(a, row, kvh, has_row, owner, q_s, kv_new, s_new);
     __syncthreads();
   }
 
@@ -843,7 +849,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece 32 i + 8 tig is two k-steps.
   uint32_t qa[KS][4];
   {
-    const T* qr = FUSED ? q_s + pair * 16 * D
+    const T* qr = FUSED ? q_s
                         : static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
     auto q16 = [&](const T* p) { return FUSED ? *reinterpret_cast<const uint4*>(p) : load16(p); };
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -856,7 +862,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     }
   }
   if constexpr (FUSED) {
-    new_key_scores<T, D, WPR>(a, has_row, owner, q_s + pair * 16 * D, kv_new[pair][0], s_new[pair]);
+    new_key_scores<T, D>(a, has_row, owner, q_s, kv_new[0], s_new);
     __syncthreads();  // q_s (in o_s) is read; the warps may now write o_s
   }
 
@@ -963,7 +969,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     int prow, pkvh;
     pair_of(p, prow, pkvh);
     if (prow >= a.num_tokens) break;  // this and every later pair are past the batch
-    const float sn = FUSED ? s_new[FUSED ? p : 0][h] : -INFINITY;  // the new key, after the warps
+    const float sn = FUSED ? s_new[h] : -INFINITY;  // the new key, after the warps
     float M = sn;
 #pragma unroll
     for (int w = p * WPR; w < p * WPR + WPR; ++w) M = fmaxf(M, m_s[w][h]);
@@ -977,7 +983,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     }
     if (sn != -INFINITY) {
       const float f = exp2f(sn - M);
-      num = fmaf(f, to_f(kv_new[FUSED ? p : 0][1][d]), num);
+      num = fmaf(f, to_f(kv_new[1][d]), num);
       den += f;
     }
     const float v = num / den;

@@ -411,7 +411,7 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
 
   std::vector<SampleParamsDev> prm(R);
   std::vector<int32_t> lists;
-  bool any_copy = false;
+  bool any_lists = false;
   for (int64_t i = 0; i < R; ++i) {
     const SampleRow& r = rows[i];
     QRT_CHECK(r.output_counts.size() == r.output_tokens.size(), "cuda sample: output_counts and output_tokens differ");
@@ -440,8 +440,8 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
       lists.insert(lists.end(), r.output_tokens.begin(), r.output_tokens.end());
       lists.insert(lists.end(), r.output_counts.begin(), r.output_counts.end());
     }
-    p.needs_copy = (p.banned_n || p.seen_n || p.out_n || r.temperature != 0.0f) ? 1 : 0;
-    any_copy = any_copy || p.needs_copy;
+    p.has_lists = (p.banned_n || p.seen_n || p.out_n) ? 1 : 0;
+    any_lists = any_lists || p.has_lists;
   }
   auto round16 = [](size_t n) { return (n + 15) / 16 * 16; };
   const size_t prm_bytes = round16(prm.size() * sizeof(SampleParamsDev));
@@ -462,7 +462,7 @@ void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow
   // The results land in this parity's device buffer once its previous copy to the host is done.
   check(cudaStreamWaitEvent(stream_, io.done, 0), "sample");
   char* dout = static_cast<char*>(scratch(io.dev_out, out_bytes, "sample"));
-  float* x = any_copy ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
+  float* x = any_lists ? static_cast<float*>(scratch(sample_x_, size_t(R) * size_t(V) * 4, "sample")) : nullptr;
   void* stats = scratch(sample_stats_, std::max<size_t>(sample_stats_bytes(R, V), 16), "sample");
   if (R > 0) {
     check(cudaMemcpyAsync(din, host, in_bytes, cudaMemcpyHostToDevice, stream_), "sample upload");

@@ -232,9 +232,9 @@ struct SampleParamsDev {  // one row's parameters, as the kernel reads them
   uint64_t seed;
   int64_t draw;
   int banned_off, banned_n, seen_off, seen_n, out_off, out_n;  // into the int list (out: tokens then counts)
-  int needs_copy;
+  int has_lists;  // banned tokens or penalties: the kernel works on a copy of the row in scratch
 };
-// stats: sample_stats_bytes(rows, vocab) of device scratch; scratch: rows * vocab floats when a row needs_copy.
+// stats: sample_stats_bytes(rows, vocab) of device scratch; scratch: rows * vocab floats when a row has_lists.
 int64_t sample_stats_chunks(int64_t vocab);
 inline size_t sample_stats_bytes(int64_t rows, int64_t vocab) { return size_t(rows * sample_stats_chunks(vocab)) * 16; }
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const SampleParamsDev* params,

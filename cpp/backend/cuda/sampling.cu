@@ -3,9 +3,14 @@
 //   (max, sum of exp(v - max), best (value, id)), so the log-softmax and the greedy token of a row take the
 //   whole GPU, not one SM (a single block scanning Qwen's 151,936 logits took ~60 us at batch 1);
 // - sample_kernel: one block per row merges its chunks in a fixed order (greedy ends there), then
-//   top-N logprobs, penalties, temperature, top_k / top_p / min_p and the draw. Thresholds (top_k, top_p cut,
-//   top_p ties) are found by bitwise searches over order-preserving integer keys, each step one pass over the
-//   row with a block-wide reduction; no sorting.
+//   top-N logprobs, penalties (on a copy of the row, only when a row has them), temperature, top_k / top_p /
+//   min_p and the draw, by one of three paths that give the same token:
+//   * a small top_k (<= 1024, Qwen's generation_config asks for 20): two passes over the row collect a short
+//     candidate list that holds every kept token; the rest works on that list in shared memory;
+//   * top_p without top_k: a Gumbel draw over the row, then rejection while the winner is outside the top_p
+//     prefix (a pass or two more);
+//   * anything else (or a candidate list that overflows): bitwise searches over order-preserving integer
+//     keys find the top_k value and the top_p cut, each step one pass over the row; no sorting.
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/random.h"
 
@@ -113,6 +118,235 @@ __global__ void __launch_bounds__(kStatThreads) logit_stats_kernel(const float* 
   if (tid == 0) stats[int64_t(r) * chunks + c] = ChunkStats{M, S, best.v, best.i};
 }
 
+// The largest key K with count(key(get(i)) >= K, i < n) >= k: key_value(K) is the k-th largest value, with
+// multiplicity. 32 steps, each one pass over the n values and a block-wide count.
+template <typename Get>
+__device__ uint32_t kth_largest_key(Get get, int n, int k) {
+  uint32_t K = 0;
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t cand = K | (1u << b);
+    int cnt = 0;
+    for (int i = threadIdx.x; i < n; i += kThreads) cnt += fkey(get(i)) >= cand;
+    if (block_reduce(cnt, SumI{}) >= k) K = cand;
+  }
+  return K;
+}
+
+// The Gumbel-max score of token i with value v, or no candidate when v is under the min_p floor or -inf.
+__device__ __forceinline__ Cand gumbel(const SampleParamsDev& p, float floor_v, int i, float v) {
+  if (v < floor_v || v == -INFINITY) return Cand{0.f, -1};
+  const float u = uniform01(p.seed, uint64_t(p.draw), uint64_t(i));
+  return Cand{v - logf(-logf(u)), i};
+}
+
+// The draw for a small top_k (1..kThreads) from a short list instead of the whole row. The k-th largest of
+// the threads' maxima (tmax) is a lower bound L on the row's k-th largest value (k distinct tokens reach it),
+// so the tokens >= L, usually a few times k, hold all the top_k keeps. They are collected into shared memory
+// and sorted (value desc, id asc); top_k, top_p (sums in that order, as the CPU backend) and the Gumbel draw
+// then read only that list. Returns -1 when more than kCandCap tokens reach L (the caller takes the full path).
+constexpr int kCandCap = 1024;
+struct CandList {
+  union {
+    struct { float v[kCandCap]; int id[kCandCap]; } in;  // collected, in any order
+    double e[kCandCap];                                     // after sorting: exp(v - kmx) in sorted order
+  };
+  float v[kCandCap];  // sorted
+  int id[kCandCap];
+  float tmax[kThreads];
+  int n, keep;
+};
+
+template <typename X>
+__device__ int draw_from_candidates(X xv, int V, float tmax, float kmx, const SampleParamsDev& p, CandList& cl) {
+  const int tid = threadIdx.x;
+  cl.tmax[tid] = tmax;
+  if (tid == 0) cl.n = 0;
+  __syncthreads();
+  const uint32_t L = kth_largest_key([&](int i) { return cl.tmax[i]; }, kThreads, p.top_k);
+  for (int i = tid; i < V; i += kThreads) {
+    const float v = xv(i);
+    if (fkey(v) >= L) {
+      const int at = atomicAdd(&cl.n, 1);
+      if (at < kCandCap) {
+        cl.in.v[at] = v;
+        cl.in.id[at] = i;
+      }
+    }
+  }
+  __syncthreads();
+  const int n = cl.n;
+  if (n > kCandCap) return -1;
+  // Sort by rank: (key desc, id asc) is a total order, so every rank is taken once.
+  for (int j = tid; j < n; j += kThreads) {
+    const uint32_t kj = fkey(cl.in.v[j]);
+    const int ij = cl.in.id[j];
+    int rank = 0;
+    for (int i = 0; i < n; ++i) {
+      const uint32_t ki = fkey(cl.in.v[i]);
+      rank += ki > kj || (ki == kj && cl.in.id[i] < ij);
+    }
+    cl.v[rank] = cl.in.v[j];
+    cl.id[rank] = ij;
+  }
+  __syncthreads();
+  // top_k: all with the k-th value (n >= k: the k maxima that set L are in the list).
+  const uint32_t kth = fkey(cl.v[p.top_k - 1]);
+  int m = 0;
+  for (int j = tid; j < n; j += kThreads) m += fkey(cl.v[j]) >= kth;
+  m = block_reduce(m, SumI{});
+  if (p.top_p < 1.0f) {  // the smallest prefix whose mass reaches top_p, summed in order
+    for (int j = tid; j < m; j += kThreads) cl.e[j] = exp(double(cl.v[j] - kmx));
+    __syncthreads();
+    if (tid == 0) {
+      double z = 0.0, cum = 0.0;
+      for (int j = 0; j < m; ++j) z += cl.e[j];
+      int keep = 0;
+      while (keep < m) {
+        cum += cl.e[keep++] / z;
+        if (cum >= double(p.top_p)) break;
+      }
+      cl.keep = keep;
+    }
+    __syncthreads();
+    m = cl.keep;
+  }
+  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  Cand g{0.f, -1};
+  for (int j = tid; j < m; j += kThreads) {
+    const Cand c = gumbel(p, floor_v, cl.id[j], cl.v[j]);
+    if (better(c, g)) g = c;
+  }
+  g = block_best(g);
+  return g.i >= 0 ? g.i : cl.id[0];  // none above the floor: the first kept
+}
+
+// top_p without top_k, by rejection: the Gumbel-max winner over the candidates is kept when the mass of the
+// tokens before it in the order (value desc, id asc) is under top_p; the kept set is a prefix of that order,
+// so a rejected winner and everything after it are out, and the next winner is taken among the tokens before
+// it. Each winner is kept with probability at least top_p, so a round or two is usual; the same token as the
+// cut-then-draw of draw_full up to the rounding of the mass sums. Returns -1 after kMaxRounds (the caller
+// then takes the full path).
+constexpr int kMaxRounds = 16;
+template <typename X>
+__device__ int draw_top_p(X xv, int V, float kmx, const SampleParamsDev& p) {
+  const int tid = threadIdx.x;
+  const double tp = double(p.top_p);
+  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  // One pass: z, the best token by value (always kept: the answer when no candidate is) and the first winner.
+  double z = 0.0;
+  Cand best{0.f, -1}, win{0.f, -1};
+  for (int i = tid; i < V; i += kThreads) {
+    const float v = xv(i);
+    z += double(expf(v - kmx));
+    const Cand b{v, i};
+    if (better(b, best)) best = b;
+    const Cand c = gumbel(p, floor_v, i, v);
+    if (better(c, win)) win = c;
+  }
+  z = block_reduce(z, SumD{});
+  best = block_best(best);
+  win = block_best(win);
+  for (int round = 0; round < kMaxRounds; ++round) {
+    if (win.i < 0) return best.i < 0 ? 0 : best.i;
+    // One pass: the mass before the winner t, and the next winner among the tokens before t.
+    const int t = win.i;
+    const float vt = xv(t);
+    double before = 0.0;
+    Cand next{0.f, -1};
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = xv(i);
+      if (!(v > vt || (v == vt && i < t))) continue;
+      before += double(expf(v - kmx));
+      const Cand c = gumbel(p, floor_v, i, v);
+      if (better(c, next)) next = c;
+    }
+    before = block_reduce(before, SumD{});
+    next = block_best(next);
+    if (before / z < tp) return t;
+    win = next;
+  }
+  return -1;
+}
+
+// Any top_k and top_p over the whole row: the k-th value and the top_p cut by bitwise searches over keys
+// (each step one pass), then the Gumbel draw over the kept.
+template <typename X>
+__device__ int draw_full(X xv, int V, float kmx, const SampleParamsDev& p) {
+  const int tid = threadIdx.x;
+  const float thr_k = p.top_k > 0 && p.top_k < V ? key_value(kth_largest_key(xv, V, p.top_k)) : -INFINITY;
+  // top_p: the smallest prefix (value desc, id asc) of the kept whose mass reaches top_p.
+  uint32_t cut_key = 0;  // kept: key > cut_key, or key == cut_key and id <= cut_id
+  int cut_id = V;
+  if (p.top_p < 1.0f && kmx != -INFINITY) {
+    double z = 0.0;
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = xv(i);
+      if (v >= thr_k) z += double(expf(v - kmx));
+    }
+    z = block_reduce(z, SumD{});
+    const double tp = double(p.top_p);
+    auto mass_from = [&](uint32_t k) {  // mass of the kept with key >= k
+      double ms = 0.0;
+      for (int i = tid; i < V; i += kThreads) {
+        const float v = xv(i);
+        if (v >= thr_k && fkey(v) >= k) ms += double(expf(v - kmx));
+      }
+      return block_reduce(ms, SumD{});
+    };
+    if (mass_from(0) / z >= tp) {
+      uint32_t K = 0;
+      for (int b = 31; b >= 0; --b) {
+        const uint32_t cand = K | (1u << b);
+        if (mass_from(cand) / z >= tp) K = cand;
+      }
+      // K is the cut value; how many of its ties (in id order) complete the mass?
+      const double above = K == 0xffffffffu ? 0.0 : mass_from(K + 1);
+      auto is_tie = [&](int i) { const float v = xv(i); return v >= thr_k && fkey(v) == K; };
+      int ties = 0;
+      for (int i = tid; i < V; i += kThreads) ties += is_tie(i);
+      ties = block_reduce(ties, SumI{});
+      const double e = double(expf(key_value(K) - kmx));
+      int need = ties;
+      double cum = above / z;
+      for (int j = 1; j <= ties; ++j) {
+        cum += e / z;
+        if (cum >= tp) {
+          need = j;
+          break;
+        }
+      }
+      cut_key = K;
+      if (need < ties) {  // the need-th smallest id among the ties
+        int I = -1;       // largest id with count(tie ids <= I) < need
+        for (int b = 30; b >= 0; --b) {
+          const int cand = I + (1 << b);
+          if (cand >= V) continue;
+          int cnt = 0;
+          for (int i = tid; i <= cand && i < V; i += kThreads) cnt += is_tie(i);
+          if (block_reduce(cnt, SumI{}) < need) I = cand;
+        }
+        cut_id = I + 1;
+      }
+    }
+  }
+  // min_p, then 7. Gumbel-max over the kept.
+  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  Cand g{0.f, -1}, fallback{0.f, -1};
+  for (int i = tid; i < V; i += kThreads) {
+    const float v = xv(i);
+    if (v < thr_k) continue;
+    const uint32_t k = fkey(v);
+    if (k < cut_key || (k == cut_key && i > cut_id)) continue;
+    const Cand f{v, i};
+    if (better(f, fallback)) fallback = f;
+    const Cand c = gumbel(p, floor_v, i, v);
+    if (better(c, g)) g = c;
+  }
+  g = block_best(g);
+  fallback = block_best(fallback);
+  return g.i >= 0 ? g.i : (fallback.i >= 0 ? fallback.i : 0);
+}
+
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int V, int64_t stride,
                                                            const ChunkStats* stats, int chunks,
                                                            const SampleParamsDev* params, const int32_t* lists,
@@ -167,136 +401,54 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     }
   }
 
-  if (!p.needs_copy) {  // greedy on the raw logits
-    if (tid == 0) {
-      const int tok = best.i < 0 ? 0 : best.i;
-      tok_out[r] = tok;
-      lp_out[r] = raw[tok] - lse;
-    }
-    return;
-  }
-
-  // 2-4. x = raw with banned tokens and penalties.
-  float* x = scratch + int64_t(r) * V;
-  for (int i = tid; i < V; i += kThreads) x[i] = raw[i];
-  __syncthreads();
-  for (int j = tid; j < p.banned_n; j += kThreads) {
-    const int t = lists[p.banned_off + j];
-    if (t >= 0 && t < V) x[t] = -INFINITY;
-  }
-  __syncthreads();
-  for (int j = tid; j < p.seen_n; j += kThreads) {
-    const int t = lists[p.seen_off + j];
-    if (t >= 0 && t < V) x[t] = x[t] > 0 ? x[t] / p.repetition_penalty : x[t] * p.repetition_penalty;
-  }
-  __syncthreads();
-  for (int j = tid; j < p.out_n; j += kThreads) {
-    const int t = lists[p.out_off + j];
-    const int c = lists[p.out_off + p.out_n + j];
-    if (t >= 0 && t < V) x[t] -= float(c) * p.frequency_penalty + p.presence_penalty;
-  }
-  __syncthreads();
-
-  int tok = -1;
-  if (p.inv_temperature == 0.0f) {  // 5. greedy
-    Cand c{0.f, -1};
-    for (int i = tid; i < V; i += kThreads) {
-      const Cand y{x[i], i};
-      if (better(y, c)) c = y;
-    }
-    c = block_best(c);
-    tok = c.i < 0 ? 0 : c.i;
-  } else {
-    // 6. temperature
-    float mx = -INFINITY;
-    for (int i = tid; i < V; i += kThreads) {
-      const float v = x[i] * p.inv_temperature;
-      x[i] = v;
-      mx = fmaxf(mx, v);
-    }
-    const float kmx = block_reduce(mx, MaxOp{});  // the maximum is always kept
-    // top_k: the k-th largest value (with multiplicity) by a bitwise search over keys.
-    float thr_k = -INFINITY;
-    if (p.top_k > 0 && p.top_k < V) {
-      uint32_t K = 0;
-      for (int b = 31; b >= 0; --b) {
-        const uint32_t cand = K | (1u << b);
-        int cnt = 0;
-        for (int i = tid; i < V; i += kThreads) cnt += fkey(x[i]) >= cand;
-        if (block_reduce(cnt, SumI{}) >= p.top_k) K = cand;
+  int tok = best.i < 0 ? 0 : best.i;  // greedy on the raw logits
+  if (p.has_lists || p.inv_temperature != 0.0f) {
+    // 2-4. Banned tokens and penalties go into a copy of the row; without them the raw row is read.
+    const float* src = raw;
+    if (p.has_lists) {
+      float* x = scratch + int64_t(r) * V;
+      for (int i = tid; i < V; i += kThreads) x[i] = raw[i];
+      __syncthreads();
+      for (int j = tid; j < p.banned_n; j += kThreads) {
+        const int t = lists[p.banned_off + j];
+        if (t >= 0 && t < V) x[t] = -INFINITY;
       }
-      thr_k = key_value(K);
-    }
-    // top_p: the smallest prefix (value desc, id asc) of the kept whose mass reaches top_p.
-    uint32_t cut_key = 0;  // kept: key > cut_key, or key == cut_key and id <= cut_id
-    int cut_id = V;
-    if (p.top_p < 1.0f && kmx != -INFINITY) {
-      double z = 0.0;
-      for (int i = tid; i < V; i += kThreads)
-        if (x[i] >= thr_k) z += double(expf(x[i] - kmx));
-      z = block_reduce(z, SumD{});
-      const double tp = double(p.top_p);
-      auto mass_from = [&](uint32_t k) {  // mass of the kept with key >= k
-        double ms = 0.0;
-        for (int i = tid; i < V; i += kThreads) {
-          const float v = x[i];
-          if (v >= thr_k && fkey(v) >= k) ms += double(expf(v - kmx));
-        }
-        return block_reduce(ms, SumD{});
-      };
-      if (mass_from(0) / z >= tp) {
-        uint32_t K = 0;
-        for (int b = 31; b >= 0; --b) {
-          const uint32_t cand = K | (1u << b);
-          if (mass_from(cand) / z >= tp) K = cand;
-        }
-        // K is the cut value; how many of its ties (in id order) complete the mass?
-        const double above = K == 0xffffffffu ? 0.0 : mass_from(K + 1);
-        int ties = 0;
-        for (int i = tid; i < V; i += kThreads) ties += x[i] >= thr_k && fkey(x[i]) == K;
-        ties = block_reduce(ties, SumI{});
-        const double e = double(expf(key_value(K) - kmx));
-        int need = ties;
-        double cum = above / z;
-        for (int j = 1; j <= ties; ++j) {
-          cum += e / z;
-          if (cum >= tp) {
-            need = j;
-            break;
-          }
-        }
-        cut_key = K;
-        if (need < ties) {  // the need-th smallest id among the ties
-          int I = -1;       // largest id with count(tie ids <= I) < need
-          for (int b = 30; b >= 0; --b) {
-            const int cand = I + (1 << b);
-            if (cand >= V) continue;
-            int cnt = 0;
-            for (int i = tid; i <= cand && i < V; i += kThreads) cnt += x[i] >= thr_k && fkey(x[i]) == K;
-            if (block_reduce(cnt, SumI{}) < need) I = cand;
-          }
-          cut_id = I + 1;
-        }
+      __syncthreads();
+      for (int j = tid; j < p.seen_n; j += kThreads) {
+        const int t = lists[p.seen_off + j];
+        if (t >= 0 && t < V) x[t] = x[t] > 0 ? x[t] / p.repetition_penalty : x[t] * p.repetition_penalty;
       }
+      __syncthreads();
+      for (int j = tid; j < p.out_n; j += kThreads) {
+        const int t = lists[p.out_off + j];
+        const int c = lists[p.out_off + p.out_n + j];
+        if (t >= 0 && t < V) x[t] -= float(c) * p.frequency_penalty + p.presence_penalty;
+      }
+      __syncthreads();
+      src = x;
     }
-    // min_p, then 7. Gumbel-max over the kept.
-    const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
-    Cand g{0.f, -1}, fallback{0.f, -1};
-    for (int i = tid; i < V; i += kThreads) {
-      const float v = x[i];
-      if (v < thr_k) continue;
-      const uint32_t k = fkey(v);
-      if (k < cut_key || (k == cut_key && i > cut_id)) continue;
-      const Cand f{v, i};
-      if (better(f, fallback)) fallback = f;
-      if (v < floor_v || v == -INFINITY) continue;
-      const float u = uniform01(p.seed, uint64_t(p.draw), uint64_t(i));
-      const Cand c{v - logf(-logf(u)), i};
-      if (better(c, g)) g = c;
+    if (p.inv_temperature == 0.0f) {  // 5. greedy
+      Cand c{0.f, -1};
+      for (int i = tid; i < V; i += kThreads) {
+        const Cand y{src[i], i};
+        if (better(y, c)) c = y;
+      }
+      c = block_best(c);
+      tok = c.i < 0 ? 0 : c.i;
+    } else {
+      // 6. temperature, applied where a value is read; then top_k / top_p / min_p and 7. the draw.
+      const float inv_t = p.inv_temperature;
+      auto xv = [=](int i) { return src[i] * inv_t; };
+      float tmax = -INFINITY;
+      for (int i = tid; i < V; i += kThreads) tmax = fmaxf(tmax, xv(i));
+      const float kmx = block_reduce(tmax, MaxOp{});  // the maximum is always kept
+      __shared__ CandList cl;
+      tok = -1;
+      if (p.top_k > 0 && p.top_k < V && p.top_k <= kThreads) tok = draw_from_candidates(xv, V, tmax, kmx, p, cl);
+      if (tok < 0 && (p.top_k <= 0 || p.top_k >= V) && p.top_p < 1.0f && kmx != -INFINITY)
+        tok = draw_top_p(xv, V, kmx, p);
+      if (tok < 0) tok = draw_full(xv, V, kmx, p);
     }
-    g = block_best(g);
-    fallback = block_best(fallback);
-    tok = g.i >= 0 ? g.i : (fallback.i >= 0 ? fallback.i : 0);
   }
   if (tid == 0) {
     tok_out[r] = tok;
