@@ -109,13 +109,15 @@ def _prompts(rng, n, length, vocab):
     return [rng.integers(10, vocab - 10, size=length).tolist() for _ in range(n)]
 
 
-def decode_step(g, prompts, new_tokens: int) -> tuple[float, float]:
+def decode_step(g, prompts, new_tokens: int, **sampling) -> tuple[float, float]:
     """(seconds per decode step, seconds of the whole call): the time of new_tokens tokens less the time of
-    one (the prefill), over new_tokens - 1 steps, after a warm-up that captures the graphs of this batch."""
-    g.generate(prompts, max_tokens=4, ignore_eos=True, temperature=0)
-    t = time.perf_counter(); g.generate(prompts, max_tokens=1, ignore_eos=True, temperature=0)
+    one (the prefill), over new_tokens - 1 steps, after a warm-up that captures the graphs of this batch.
+    Greedy unless sampling keywords say otherwise."""
+    kw = {"ignore_eos": True, "temperature": 0, **sampling}
+    g.generate(prompts, max_tokens=4, **kw)
+    t = time.perf_counter(); g.generate(prompts, max_tokens=1, **kw)
     t1 = time.perf_counter() - t
-    t = time.perf_counter(); g.generate(prompts, max_tokens=new_tokens, ignore_eos=True, temperature=0)
+    t = time.perf_counter(); g.generate(prompts, max_tokens=new_tokens, **kw)
     tn = time.perf_counter() - t
     return (tn - t1) / (new_tokens - 1), tn
 

@@ -1,0 +1,36 @@
+"""Workloads for Nsight Compute on the GPU machine (dummy Qwen3-8B weights, CUDA graphs off so that every
+kernel launch is visible to ncu):
+
+    ncu -k regex:attn_tile_kernel --launch-skip 40 --launch-count 1 --set full python3 scripts/ncu_probe.py prefill
+    ncu -k regex:attn_decode_kernel --launch-skip 800 --launch-count 1 --set full python3 scripts/ncu_probe.py decode
+
+prefill: two 8k-token prompts, one at a time (the tile kernel of the second prompt's layers);
+decode: 512 prompts of 128 tokens, 40 new tokens each (launch 800 and later: full batch-512 decode steps).
+"""
+import sys
+
+import numpy as np
+
+import qwen_rt
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "decode"
+    if mode not in ("prefill", "decode"):
+        raise SystemExit("usage: ncu_probe.py prefill|decode")
+    rng = np.random.default_rng(0)
+    kw = dict(device="cuda", dtype="bfloat16", load_format="dummy", progress=False, cuda_graphs=False)
+    if mode == "prefill":
+        with qwen_rt.Generator("qwen3-8b", max_batch_size=4, max_model_len=8200, max_num_batched_tokens=8192, **kw) as g:
+            V = g.config["vocab_size"]
+            for _ in range(2):
+                g.generate([rng.integers(10, V - 10, size=8192).tolist()], max_tokens=1)
+    else:
+        with qwen_rt.Generator("qwen3-8b", max_batch_size=512, max_model_len=300, **kw) as g:
+            V = g.config["vocab_size"]
+            g.generate([rng.integers(10, V - 10, size=128).tolist() for _ in range(512)], max_tokens=40,
+                       ignore_eos=True)
+
+
+if __name__ == "__main__":
+    main()
