@@ -675,10 +675,13 @@ def test_sample_draw_paths_match_cpu(cpu):
     logits[3] = 0.0  # all tied: the candidate list overflows
     logits[4, : vocab // 2] = 1.0  # half tied at the top
     logits[5, 100:140] = logits[5].max() + 0.5  # 40 tied maxima
-    cases = [dict(top_k=20), dict(top_k=20, top_p=0.95), dict(top_k=20, top_p=0.95), dict(top_k=20, top_p=0.9),
+    seen = rng.choice(vocab, size=30, replace=False).astype(int).tolist()
+    lists = dict(banned_tokens=seen[:3], repetition_penalty=1.3, seen_tokens=seen, presence_penalty=0.4,
+                 output_tokens=seen[3:9], output_counts=[1, 2, 3, 1, 2, 3])
+    cases = [dict(top_k=20), dict(top_k=20, top_p=0.95), dict(top_k=20, top_p=0.95, **lists), dict(top_k=20, top_p=0.9),
              dict(top_k=50, top_p=0.8), dict(top_k=30, top_p=0.5, min_p=0.1), dict(top_k=1024), dict(top_k=1025),
              dict(top_k=3000, top_p=0.9), dict(top_p=0.95), dict(top_p=0.3, min_p=0.05), dict(top_k=vocab, top_p=0.9),
-             dict(top_k=2, temperature=0.3), dict(top_k=200, top_p=0.99), dict(top_p=0.999), dict(top_k=1000, top_p=0.7)]
+             dict(top_k=2, temperature=0.3), dict(top_k=200, top_p=0.99), dict(top_p=0.999, **lists), dict(top_k=1000, top_p=0.7)]
     rows = [row(**{"temperature": 0.8, "seed": 7 + i, "draw": i, **cases[i % len(cases)]}) for i in range(24)]
     a = cpu.sample(logits, rows)
     b = harness(DEVICE, "float32").sample(logits, rows)

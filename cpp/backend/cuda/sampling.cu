@@ -175,7 +175,7 @@ __device__ int draw_from_candidates(X xv, int V, float tmax, float kmx, const Sa
   }
   __syncthreads();
   const int n = cl.n;
-  if (n > kCandCap) return -1;
+  if (n > kCandCap || n < p.top_k) return -1;  // n >= k unless values sort below -inf (negative NaNs)
   // Sort by rank: (key desc, id asc) is a total order, so every rank is taken once.
   for (int j = tid; j < n; j += kThreads) {
     const uint32_t kj = fkey(cl.in.v[j]);
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     } else {
       // 6. temperature, applied where a value is read; then top_k / top_p / min_p and 7. the draw.
       const float inv_t = p.inv_temperature;
-      auto xv = [=](int i) { return src[i] * inv_t; };
+      auto xv = [=](int i) { return __fmul_rn(src[i], inv_t); };  // rounded, never fused: the CPU's x / t
       float tmax = -INFINITY;
       for (int i = tid; i < V; i += kThreads) tmax = fmaxf(tmax, xv(i));
       const float kmx = block_reduce(tmax, MaxOp{});  // the maximum is always kept
