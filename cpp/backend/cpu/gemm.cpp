@@ -241,6 +241,11 @@ void tile_bf16_pairs(const float* xp, int64_t ldx, const char* w, int64_t ldw_by
     for (int j = 0; j < nr; ++j) ae[j] = ao[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < kv; k += kLanes) {
       const __m256 xe = _mm256_loadu_ps(xp + k), xo = _mm256_loadu_ps(xp + k + 8);
+      if ((k & 31) == 0) {  // each 64-byte line of the next tile's rows (the caller walks rows upward)
+#pragma GCC unroll 8
+        for (int j = 0; j < nr; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (j + nr) * ldw_bytes) + 2 * k, _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
       for (int j = 0; j < nr; ++j) {
         const __m256i v = wrow(j, k);
