@@ -277,7 +277,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-model", default="qwen3-8b")
     p.add_argument("--prefill-lengths", default="1024,8192,32768")
     p.add_argument("--hf-model", default="qwen3-8b")
-    p.add_argument("--hf-caches", default="dynamic,static", help="dynamic, static, static+compile")
+    p.add_argument("--hf-caches", default="dynamic,static,static+compile", help="dynamic, static, static+compile")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
     p.add_argument("--seed", type=int, default=0)
