@@ -799,8 +799,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   };
   const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
   int row, kvh, k_begin = 0, k_end = 0, s = 0, n_keys = 0;
-  const int pair = warp / WPR;
-  pair_of(pair, row, kvh);
+  pair_of(warp / WPR, row, kvh);
   const bool has_row = row < a.num_tokens;
   if (has_row) n_keys = split_keys(a, row, split, kDecGranule, s, k_begin, k_end);
   const int h0 = kvh * G;

@@ -132,6 +132,11 @@ __device__ uint32_t kth_largest_key(Get get, int n, int k) {
   return K;
 }
 
+// min_p's floor on the (tempered) values: p >= min_p * p_max is v >= kmx + log(min_p); -inf when off.
+__device__ __forceinline__ float min_p_floor(const SampleParamsDev& p, float kmx) {
+  return p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+}
+
 // The Gumbel-max score of token i with value v, or no candidate when v is under the min_p floor or -inf.
 __device__ __forceinline__ Cand gumbel(const SampleParamsDev& p, float floor_v, int i, float v) {
   if (v < floor_v || v == -INFINITY) return Cand{0.f, -1};
@@ -210,7 +215,7 @@ __device__ int draw_from_candidates(X xv, int V, float tmax, float kmx, const Sa
     __syncthreads();
     m = cl.keep;
   }
-  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  const float floor_v = min_p_floor(p, kmx);
   Cand g{0.f, -1};
   for (int j = tid; j < m; j += kThreads) {
     const Cand c = gumbel(p, floor_v, cl.id[j], cl.v[j]);
@@ -231,7 +236,7 @@ template <typename X>
 __device__ int draw_top_p(X xv, int V, float kmx, const SampleParamsDev& p) {
   const int tid = threadIdx.x;
   const double tp = double(p.top_p);
-  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  const float floor_v = min_p_floor(p, kmx);
   // One pass: z, the best token by value (always kept: the answer when no candidate is) and the first winner.
   double z = 0.0;
   Cand best{0.f, -1}, win{0.f, -1};
@@ -330,7 +335,7 @@ __device__ int draw_full(X xv, int V, float kmx, const SampleParamsDev& p) {
     }
   }
   // min_p, then 7. Gumbel-max over the kept.
-  const float floor_v = p.min_p > 0.0f ? kmx + logf(p.min_p) : -INFINITY;
+  const float floor_v = min_p_floor(p, kmx);
   Cand g{0.f, -1}, fallback{0.f, -1};
   for (int i = tid; i < V; i += kThreads) {
     const float v = xv(i);
