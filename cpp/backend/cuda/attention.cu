@@ -395,11 +395,13 @@ __global__ void attn_combine_kernel(const float* part, int num_tokens, int q_hea
 // ================================================================================================
 // Tile kernel (tensor cores)
 // ================================================================================================
-template <int D, int BM_> struct TileCfg {
-  // (token, head) rows per block, 16 per warp: 128 (8 warps; 8k prefill 0.63 MFU on the H200 against
-  // 0.56 with 64) or 64 (4 warps, QWEN_RT_TILE_ROWS=64).
-  static constexpr int BM = BM_;
-  static constexpr int kThreads = BM * 2;
+template <int D, int WARPS, int MT> struct TileCfg {
+  // A block is WARPS warps, a warp MT m-tiles of 16 (token, head) rows: each K/V fragment loaded from shared
+  // memory feeds MT mma rows, so MT = 2 halves the shared-memory reads per flop (the 8-warp, MT = 1 form spent
+  // 35% of its stalls on them, ncu, 8k prefill). Choices: 4x2 (128 rows, head_dim <= 128) or 8x1 (128 rows).
+  static constexpr int kWarps = WARPS, kMT = MT;
+  static constexpr int BM = WARPS * 16 * MT;      // rows per block
+  static constexpr int kThreads = WARPS * 32;
   static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile
   static constexpr int LD = D + 8;                // smem row pitch in elements (16-byte pad)
   static constexpr size_t smem = size_t(BM + 4 * BN) * LD * 2;  // Q + two stages of K and V
@@ -448,10 +450,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <typename T, int D, int BM>
-__global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(const TileArgs a) {
-  using Cfg = TileCfg<D, BM>;
-  constexpr int BN = Cfg::BN, LD = Cfg::LD;
+template <typename T, int D, int WARPS, int MT>
+__global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a) {
+  using Cfg = TileCfg<D, WARPS, MT>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, LD = Cfg::LD;
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int NT = BN / 8;  // n-tiles of S
   constexpr int ND = D / 8;   // n-tiles of O
@@ -499,18 +501,22 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
   };
   issue(0, 0);  // Q joins the first group
 
-  // This thread's two rows of the warp's 16: r0 = 16 warp + lane / 4, r1 = r0 + 8.
-  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
-  const int pos0 = r0 < rows_valid ? base_pos + r0 / G : max_pos;
-  const int pos1 = r1 < rows_valid ? base_pos + r1 / G : max_pos;
+  // m-tile mt of this warp: rows 16 (MT warp + mt) + lane / 4 (accumulator elements 0, 1) and 8 more (2, 3).
+  const int row0 = warp * MT * 16 + (lane >> 2);
 
-  float o[ND][4];
+  float o[MT][ND][4];
+  float m[MT][2], l[MT][2];  // running max of the raw scores, running sum of exp2
 #pragma unroll
-  for (int i = 0; i < ND; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < ND; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  const float scale = a.scale_log2;
 
   const unsigned q_addr = unsigned(__cvta_generic_to_shared(Qs)) +
-                          unsigned(((warp * 16 + (lane & 15)) * LD + (lane >> 4) * 8) * 2);
+                          unsigned(((warp * MT * 16 + (lane & 15)) * LD + (lane >> 4) * 8) * 2);
 
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
@@ -527,107 +533,118 @@ __global__ void __launch_bounds__(TileCfg<D, BM>::kThreads) attn_tile_kernel(con
     const unsigned v_addr = unsigned(__cvta_generic_to_shared(vs)) +
                             unsigned((((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + (lane >> 4) * 8) * 2);
 
-    // S = Q K^T
-    float sc[NT][4];
+    // S = Q K^T (raw scores)
+    float sc[MT][NT][4];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a0, a1, a2, a3;
-      ldsm_x4(q_addr + kk * 32, a0, a1, a2, a3);
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(q_addr + unsigned(mt * 16 * LD * 2) + kk * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
 #pragma unroll
       for (int nn = 0; nn < NT / 2; ++nn) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4(k_addr + unsigned(nn * 16 * LD * 2) + kk * 32, b0, b1, b2, b3);
-        mma16816<T>(sc[2 * nn], a0, a1, a2, a3, b0, b1);
-        mma16816<T>(sc[2 * nn + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(sc[mt][2 * nn], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
+          mma16816<T>(sc[mt][2 * nn + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
+        }
       }
     }
 
-    // Scale, causal mask, online softmax (rows r0: elements 0,1; r1: elements 2,3).
+    // Causal mask and online softmax on the raw scores; the scale enters the exp2's fma.
     const bool need_mask = (j + 1) * BN - 1 > base_pos;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const int key = j * BN + i * 8 + (lane & 3) * 2;
+    for (int mt = 0; mt < MT; ++mt) {
+      if (need_mask) {
+        // A row's last visible key; rows past the tile's end see what its last token sees.
+        const int pos0 = min(base_pos + (row0 + mt * 16) / G, max_pos);
+        const int pos1 = min(base_pos + (row0 + mt * 16 + 8) / G, max_pos);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = sc[i][e] * a.scale_log2;
-        if (need_mask) {
-          const int kk = key + (e & 1);
-          if (kk > (e < 2 ? pos0 : pos1)) v = -INFINITY;
+        for (int i = 0; i < NT; ++i) {
+          const int key = j * BN + i * 8 + (lane & 3) * 2;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key + (e & 1) > (e < 2 ? pos0 : pos1)) sc[mt][i][e] = -INFINITY;
         }
-        sc[i][e] = v;
       }
-      mx0 = fmaxf(mx0, fmaxf(sc[i][0], sc[i][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[i][2], sc[i][3]));
-    }
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - mn0);
-    const float al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    float s0 = 0.f, s1 = 0.f;
+      for (int i = 0; i < NT; ++i)
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      sc[i][0] = exp2f(sc[i][0] - mn0);
-      sc[i][1] = exp2f(sc[i][1] - mn0);
-      sc[i][2] = exp2f(sc[i][2] - mn1);
-      sc[i][3] = exp2f(sc[i][3] - mn1);
-      s0 += sc[i][0] + sc[i][1];
-      s1 += sc[i][2] + sc[i][3];
-    }
-    l0 = l0 * al0 + s0;
-    l1 = l1 * al1 + s1;
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], sc[mt][i][e]);
+      float al[2], neg[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < ND; ++i) {
-      o[i][0] *= al0;
-      o[i][1] *= al0;
-      o[i][2] *= al1;
-      o[i][3] *= al1;
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float mn = fmaxf(m[mt][h], mx[h]);  // finite: every row sees key 0 in the first tile
+        al[h] = m[mt][h] == -INFINITY ? 0.f : exp2f((m[mt][h] - mn) * scale);
+        neg[h] = -mn * scale;
+        m[mt][h] = mn;
+      }
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[mt][i][e] = exp2f(fmaf(sc[mt][i][e], scale, neg[e >> 1]));
+          sum[e >> 1] += sc[mt][i][e];
+        }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[mt][h] = l[mt][h] * al[h] + sum[h];
+#pragma unroll
+      for (int i = 0; i < ND; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][i][e] *= al[e >> 1];
     }
 
     // O += P V
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint32_t a0 = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
-      const uint32_t a1 = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-      const uint32_t a2 = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      const uint32_t a3 = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack2<T>(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+        pa[mt][1] = pack2<T>(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+        pa[mt][2] = pack2<T>(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack2<T>(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int nd = 0; nd < ND / 2; ++nd) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4_t(v_addr + unsigned(kk * 16 * LD * 2) + nd * 32, b0, b1, b2, b3);
-        mma16816<T>(o[2 * nd], a0, a1, a2, a3, b0, b1);
-        mma16816<T>(o[2 * nd + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(o[mt][2 * nd], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+          mma16816<T>(o[mt][2 * nd + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
+        }
       }
     }
     __syncthreads();  // this stage is refilled next iteration
   }
 
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
   T* out = static_cast<T*>(a.out);
   const int col = (lane & 3) * 2;
-  if (r0 < rows_valid) {
-    T* p = out + int64_t(qs0 + t0 + r0 / G) * a.out_stride + int64_t(kvh * G + r0 % G) * D + col;
 #pragma unroll
-    for (int i = 0; i < ND; ++i) *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[i][0] * inv0, o[i][1] * inv0);
-  }
-  if (r1 < rows_valid) {
-    T* p = out + int64_t(qs0 + t0 + r1 / G) * a.out_stride + int64_t(kvh * G + r1 % G) * D + col;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < ND; ++i) *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[i][2] * inv1, o[i][3] * inv1);
-  }
+    for (int h = 0; h < 2; ++h) {
+      float sum = l[mt][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = 1.f / sum;
+      const int r = row0 + mt * 16 + h * 8;
+      if (r >= rows_valid) continue;
+      T* p = out + int64_t(qs0 + t0 + r / G) * a.out_stride + int64_t(kvh * G + r % G) * D + col;
+#pragma unroll
+      for (int i = 0; i < ND; ++i)
+        *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[mt][i][2 * h] * inv, o[mt][i][2 * h + 1] * inv);
+    }
 }
 
 // ================================================================================================
@@ -1139,30 +1156,38 @@ void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Te
   if (a.nsplit > 1) launch_combine<T>(b, sh, ws, a.nsplit, out, st);
 }
 
-template <typename T, int D, int BM>
-void run_tile_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
-                   cudaStream_t st) {
-  using Cfg = TileCfg<D, BM>;
+template <typename T, int D, int WARPS, int MT>
+void launch_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                 cudaStream_t st) {
+  using Cfg = TileCfg<D, WARPS, MT>;
+  const auto kernel = attn_tile_kernel<T, D, WARPS, MT>;
   TileArgs a;
   attn_args(a, q, cache, b, sh, out);
-  a.tokens_per_tile = BM / a.group;
-  check(cudaFuncSetAttribute(attn_tile_kernel<T, D, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::smem)),
+  a.tokens_per_tile = Cfg::BM / a.group;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::smem)),
         "attention (smem attribute)");
+  // All of the SM's unified memory as shared memory: two 104 KB blocks per SM (an L1 carve-out may not leave room).
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared)),
+        "attention (carveout attribute)");
   const int tiles = (std::max(b.max_q_len, 1) + a.tokens_per_tile - 1) / a.tokens_per_tile;
   dim3 grid(unsigned(tiles), unsigned(sh.kv_heads), unsigned(b.num_seqs));
-  attn_tile_kernel<T, D, BM><<<grid, Cfg::kThreads, Cfg::smem, st>>>(a);
+  kernel<<<grid, Cfg::kThreads, Cfg::smem, st>>>(a);
   check_launch("attention (tile)");
 }
 
+// QWEN_RT_TILE=8x1 picks 8 warps of one m-tile (the form before 4x2) for head_dim <= 128; head_dim 256 always
+// takes it (two m-tiles of 256-wide accumulators do not fit the registers).
 template <typename T, int D>
 void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
               cudaStream_t st) {
-  static const bool narrow = [] {
-    const char* e = std::getenv("QWEN_RT_TILE_ROWS");
-    return e && std::strcmp(e, "64") == 0;
+  static const bool eight_warps = [] {
+    const char* e = std::getenv("QWEN_RT_TILE");
+    return e && std::strcmp(e, "8x1") == 0;
   }();
-  if (narrow) run_tile_rows<T, D, 64>(q, cache, b, sh, out, st);
-  else run_tile_rows<T, D, 128>(q, cache, b, sh, out, st);
+  if constexpr (D <= 128) {
+    if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
+  }
+  launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);
 }
 
 template <typename T>
