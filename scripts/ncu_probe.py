@@ -2,10 +2,11 @@
 kernel launch is visible to ncu):
 
     ncu -k regex:attn_tile_kernel --launch-skip 40 --launch-count 1 --set full python3 scripts/ncu_probe.py prefill
-    ncu -k regex:attn_decode_kernel --launch-skip 800 --launch-count 1 --set full python3 scripts/ncu_probe.py decode
+    ncu -k regex:attn_decode_kernel --launch-skip 800 --launch-count 1 --set full python3 scripts/ncu_probe.py decode [batch]
 
 prefill: two 8k-token prompts, one at a time (the tile kernel of the second prompt's layers);
-decode: 512 prompts of 128 tokens, 40 new tokens each (launch 800 and later: full batch-512 decode steps).
+decode: `batch` (default 512) prompts of 128 tokens, 40 new tokens each (at batch 512, launch 800 and later are
+full decode steps; a smaller batch's prompts fit one prefill step, and every later launch is a decode step).
 """
 import sys
 
@@ -17,7 +18,7 @@ import qwen_rt
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "decode"
     if mode not in ("prefill", "decode"):
-        raise SystemExit("usage: ncu_probe.py prefill|decode")
+        raise SystemExit("usage: ncu_probe.py prefill|decode [batch]")
     rng = np.random.default_rng(0)
     kw = dict(device="cuda", dtype="bfloat16", load_format="dummy", progress=False, cuda_graphs=False)
     if mode == "prefill":
@@ -26,9 +27,10 @@ def main():
             for _ in range(2):
                 g.generate([rng.integers(10, V - 10, size=8192).tolist()], max_tokens=1)
     else:
-        with qwen_rt.Generator("qwen3-8b", max_batch_size=512, max_model_len=300, **kw) as g:
+        batch = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+        with qwen_rt.Generator("qwen3-8b", max_batch_size=batch, max_model_len=300, **kw) as g:
             V = g.config["vocab_size"]
-            g.generate([rng.integers(10, V - 10, size=128).tolist() for _ in range(512)], max_tokens=40,
+            g.generate([rng.integers(10, V - 10, size=128).tolist() for _ in range(batch)], max_tokens=40,
                        ignore_eos=True)
 
 

@@ -1045,8 +1045,14 @@ bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_by
 
 // The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (two blocks per SM).
 int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  static const int forced = [] {  // QWEN_RT_DECODE_WPR=1|2|4: a fixed choice, for measurements
+    const char* e = std::getenv("QWEN_RT_DECODE_WPR");
+    const int v = e ? std::atoi(e) : 0;
+    return v == 1 || v == 2 || v == kDecWarps ? v : 0;
+  }();
+  if (forced) return forced;
   const int64_t pairs = int64_t(b.num_tokens) * sh.kv_heads, blocks = int64_t(2) * num_sms;
-  return pairs >= 4 * blocks ? 1 : pairs >= 2 * blocks ? 2 : kDecWarps;
+  return pairs >= 4 * blocks ? 1 : pairs >= 3 * int64_t(num_sms) ? 2 : kDecWarps;
 }
 
 // Splits for the decode kernel (4 warps per row only): enough blocks for two per SM, each split at least
