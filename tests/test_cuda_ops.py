@@ -261,7 +261,9 @@ LINEAR_SHAPES = [(1, 5, 8), (3, 64, 64), (17, 1000, 333), (257, 64, 1024), (1, 4
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_same_dtype(cpu, act, m, n, k, bias):
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_linear_same_dtype(cpu, act, m, n, k, bias, gemv_rows, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 131 + n * 7 + k + bias)
     x = rand(rng, (m, k), -1, 1, act)
     w = rand(rng, (n, k), -1, 1, act) / math.sqrt(k)
@@ -275,9 +277,11 @@ def test_linear_same_dtype(cpu, act, m, n, k, bias):
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (8, 1536, 1024), (9, 64, 256), (33, 24, 72)])
-def test_linear_silu_mul(cpu, act, m, inter, k):
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_linear_silu_mul(cpu, act, m, inter, k, gemv_rows, monkeypatch):
     """The MLP's gate|up projection with silu_mul: equal to CUDA linear then silu_mul (bit for bit: the
     decode GEMV fuses the two), and close to the CPU."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 17 + inter + k)
     x = rand(rng, (m, k), -1, 1, act)
     w = round_to(rand(rng, (2 * inter, k), -1, 1, act) / math.sqrt(k), act)
@@ -292,9 +296,11 @@ def test_linear_silu_mul(cpu, act, m, inter, k):
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k", [(1, 5, 8), (3, 100, 512), (8, 1024, 4096), (17, 96, 333), (64, 256, 1024)])
-def test_linear_add(cpu, act, m, n, k):
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_linear_add(cpu, act, m, n, k, gemv_rows, monkeypatch):
     """out += x @ w^T (the residual connection): equal to CUDA linear then add where the GEMV fuses them
     (the product rounded first), close to the CPU everywhere (cuBLASLt adds in fp32 before rounding)."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 5 + n + k)
     x = rand(rng, (m, k), -1, 1, act)
     w = round_to(rand(rng, (n, k), -1, 1, act) / math.sqrt(k), act)
@@ -304,7 +310,7 @@ def test_linear_add(cpu, act, m, n, k):
     composed = np.asarray(h.add(res, np.asarray(h.linear(x, w, None, act))))
     ref = np.asarray(cpu.linear_add(x, w, res, "float32"))
     assert out.shape == (m, n)
-    if act != "float32" and m <= 8 and k % 8 == 0:
+    if act != "float32" and m <= int(gemv_rows) and k % 8 == 0:
         np.testing.assert_array_equal(out, composed)
     assert rel(out, ref) < TOL[act]
 
@@ -317,9 +323,11 @@ NORM_LINEAR_SHAPES = [(1, 8, 64), (2, 100, 512), (5, 1024, 4096), (6, 300, 4096)
 @pytest.mark.parametrize("m,n,k", NORM_LINEAR_SHAPES)
 @pytest.mark.parametrize("bias,f32_out", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("gain", ["gain", "unit"])
-def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain):
-    """rms_norm then linear (with a unit gain, the norm runs inside the decode GEMV for up to 8 rows):
-    close to the CPU composition, and row 0 of m is the same as row 0 alone."""
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain, gemv_rows, monkeypatch):
+    """rms_norm then linear (with a unit gain, the norm runs inside the decode GEMV for the rows it takes):
+    close to the CPU composition, and row 0 of m is the same as row 0 alone where the GEMV takes both."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 3 + n + k + bias)
     x = rand(rng, (m, k), -2, 2, act)
     nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16") if gain == "gain" else None
@@ -330,7 +338,7 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain):
     ref = np.asarray(cpu.norm_linear(x, nw, 1e-6, w, b, True))
     assert out.shape == (m, n)
     assert rel(out, ref) < TOL[act]
-    if act != "float32" and m <= 8:  # the GEMV's rows do not depend on each other (fp32 goes to cuBLAS)
+    if act != "float32" and m <= int(gemv_rows):  # the GEMV's rows do not depend on each other (fp32: cuBLAS)
         alone = np.asarray(h.norm_linear(x[:1], nw, 1e-6, w, b, f32_out))
         np.testing.assert_array_equal(out[:1], alone)
 
@@ -338,7 +346,9 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (4, 1536, 4096), (8, 256, 4096), (9, 64, 256)])
 @pytest.mark.parametrize("gain", ["gain", "unit"])
-def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain):
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain, gemv_rows, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 11 + inter + k)
     x = rand(rng, (m, k), -2, 2, act)
     nw = rand(rng, (1, k), 0.5, 1.5, "bfloat16") if gain == "gain" else None
@@ -352,7 +362,8 @@ def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain):
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 @pytest.mark.parametrize("zc", [False, True])
-def test_scale_columns_folds_a_norm_gain(cpu, act, zc):
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+def test_scale_columns_folds_a_norm_gain(cpu, act, zc, gemv_rows, monkeypatch):
     """scale_columns multiplies each column by its gain, rounded once to the weights' dtype; a norm with a
     unit gain in front of the scaled weights gives what the norm with the gain gives in front of the
     original ones."""
@@ -365,6 +376,7 @@ def test_scale_columns_folds_a_norm_gain(cpu, act, zc):
     np.testing.assert_array_equal(scaled, round_to(w * ((1.0 + g) if zc else g), act))
     if zc:
         return
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     x = rand(rng, (2, k), -2, 2, act)
     folded = np.asarray(h.norm_linear(x, None, 1e-6, scaled, None, True))
     ref = np.asarray(cpu.norm_linear(x, g, 1e-6, w, None, True))
@@ -373,9 +385,10 @@ def test_scale_columns_folds_a_norm_gain(cpu, act, zc):
 
 @pytest.mark.parametrize("k", [24, 264, 4104])  # 16-byte pieces per row odd: the two half-rows differ in length
 @pytest.mark.parametrize("n", [1, 5, 133])      # a last group of rows that is partly empty
-def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n):
-    """The decode GEMV (1..8 rows, bf16): every row of every epilogue equals the same row computed with
-    fewer rows (batch invariance), and is close to the CPU."""
+def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n, monkeypatch):
+    """The decode GEMV (1..8 rows with QWEN_RT_GEMV_ROWS=8, bf16): every row of every epilogue equals the same
+    row computed with fewer rows (batch invariance), and is close to the CPU."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "8")
     act = "bfloat16"
     rng = np.random.default_rng(k * 7 + n)
     x = rand(rng, (8, k), -1, 1, act)

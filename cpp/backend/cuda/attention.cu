@@ -399,7 +399,6 @@ template <int D, int WARPS, int MT> struct TileCfg {
   // A block is WARPS warps, a warp MT m-tiles of 16 (token, head) rows: each K/V fragment loaded from shared
   // memory feeds MT mma rows, so MT = 2 halves the shared-memory reads per flop (the 8-warp, MT = 1 form spent
   // 35% of its stalls on them, ncu, 8k prefill). Choices: 4x2 (128 rows, head_dim <= 128) or 8x1 (128 rows).
-  static constexpr int kWarps = WARPS, kMT = MT;
   static constexpr int BM = WARPS * 16 * MT;      // rows per block
   static constexpr int kThreads = WARPS * 32;
   static constexpr int BN = D > 128 ? 32 : 64;    // keys per tile

@@ -23,6 +23,7 @@
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
 // QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 4; 0: one block per row group, not persistent).
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -296,10 +297,19 @@ bool gemv_folds_norms() {
   return on;
 }
 
+// The most rows a GEMV takes; more go to cuBLASLt (with the norm and silu_mul as their own kernels). Default 1:
+// on the H200 that ran Qwen3-8B decode steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at
+// batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8).
+// QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it; read at every call, so the op tests can set it.
+int gemv_max_rows() {
+  const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
+  return e ? std::clamp(std::atoi(e), 0, 8) : 1;
+}
+
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
                  const RmsNorm* norm, int num_sms, cudaStream_t s) {
   const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
-  if (!sixteen || x.rows < 1 || x.rows > 8 || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
+  if (!sixteen || x.rows < 1 || x.rows > gemv_max_rows() || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
       !aligned16(w.data, w.stride * 2))
     return false;
   switch (epi) {
