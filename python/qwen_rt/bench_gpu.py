@@ -7,7 +7,8 @@ Figures:
   offline   512 requests of 128 prompt + 128 output tokens; 1000 requests with lengths drawn from 32..2048
   prefill   time to first token, prefill tokens/s and MFU for long prompts
   startup   Generator() to first token with the weights in safetensors files on local disk
-  hf        transformers (sdpa; dynamic and static cache) batch-1 and batch-N decode on the same config
+  hf        transformers (sdpa; dynamic cache, static cache, static cache compiled) batch-1 and batch-N
+            decode on the same config; with decode, qwen_rt against the fastest of them (end to end)
 """
 from __future__ import annotations
 
@@ -265,6 +266,23 @@ def bench_startup(model: str, rng) -> list[dict]:
     return rows
 
 
+def side_by_side(decode_rows: list[dict], hf_rows: list[dict]) -> list[dict]:
+    """qwen_rt against the fastest transformers configuration of the same run, per batch of the hf model:
+    end-to-end tokens/s of both (the same prompts, new tokens and timing) and their ratio. Rows that failed
+    (an "error" instead of a speed) do not count; a batch missing on either side is left out."""
+    out = []
+    for d in decode_rows:
+        hf = [h for h in hf_rows if h["model"] == d["model"] and h["batch"] == d["batch"] and "e2e_tok_s" in h]
+        if not hf or d.get("tp", 1) != 1:
+            continue
+        best = max(hf, key=lambda h: h["e2e_tok_s"])
+        out.append({"model": d["model"], "batch": d["batch"], "qwen_rt_e2e_tok_s": d["e2e_tok_s"],
+                    "best_transformers": best["impl"].removeprefix("transformers "),
+                    "transformers_e2e_tok_s": best["e2e_tok_s"],
+                    "ratio": round(d["e2e_tok_s"] / best["e2e_tok_s"], 2)})
+    return out
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("gpu", help="qwen_rt on the GPU: decode/offline/prefill/startup vs the roofline and transformers")
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
@@ -306,6 +324,9 @@ def run(args) -> int:
     if "hf" in parts:
         rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng, args.hf_caches.split(","))
         print_table(rec["hf"])
+        if rec.get("decode"):
+            rec["vs_hf"] = side_by_side(rec["decode"], rec["hf"])
+            print_table(rec["vs_hf"])
     if "offline" in parts:
         rec["offline"] = bench_offline(args.offline_model, limits, rng, n_random=args.offline_random)
         print_table(rec["offline"])
