@@ -439,6 +439,18 @@ __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uin
   }
 }
 
+// c[mt][n] += a[mt] b[0..1] and c[mt][n + 1] += a[mt] b[2..3] for every m-tile: two n-tiles of B (one
+// ldmatrix x4) against each m-tile's A fragment.
+template <typename T, int MT, int N>
+__device__ __forceinline__ void mma_pair(float (&c)[MT][N][4], int n, const uint32_t (&a)[MT][4],
+                                         const uint32_t (&b)[4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mma16816<T>(c[mt][n], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[0], b[1]);
+    mma16816<T>(c[mt][n + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[2], b[3]);
+  }
+}
+
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -546,13 +558,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
         ldsm_x4(q_addr + unsigned(mt * 16 * LD * 2) + kk * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
 #pragma unroll
       for (int nn = 0; nn < NT / 2; ++nn) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(k_addr + unsigned(nn * 16 * LD * 2) + kk * 32, b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(sc[mt][2 * nn], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
-          mma16816<T>(sc[mt][2 * nn + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
-        }
+        uint32_t b[4];
+        ldsm_x4(k_addr + unsigned(nn * 16 * LD * 2) + kk * 32, b[0], b[1], b[2], b[3]);
+        mma_pair<T>(sc, 2 * nn, qa, b);
       }
     }
 
@@ -615,13 +623,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
       }
 #pragma unroll
       for (int nd = 0; nd < ND / 2; ++nd) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(v_addr + unsigned(kk * 16 * LD * 2) + nd * 32, b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(o[mt][2 * nd], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
-          mma16816<T>(o[mt][2 * nd + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
-        }
+        uint32_t b[4];
+        ldsm_x4_t(v_addr + unsigned(kk * 16 * LD * 2) + nd * 32, b[0], b[1], b[2], b[3]);
+        mma_pair<T>(o, 2 * nd, pa, b);
       }
     }
     __syncthreads();  // this stage is refilled next iteration
