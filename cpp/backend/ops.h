@@ -246,6 +246,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+// Cores this process may run on (its CPU affinity): the CPU backends' default thread count.
+int cpu_cores();
 // Loads the CUDA backend plugin; throws std::runtime_error with the reason if it cannot.
 // act_dtype: BF16, F16 or F32 (the exactness mode).
 std::unique_ptr<Backend> make_cuda_backend(int device, DType act_dtype);

@@ -1,6 +1,5 @@
 #include "engine/engine.h"
 
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -173,7 +172,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   ranks.resize(n);
   for (int r = 1; r < n; ++r) workers.push_back(std::make_unique<RankWorker>());
   // Backends, each created on its rank's thread.
-  const int cores = opt.num_threads > 0 ? opt.num_threads : omp_get_num_procs();
+  const int cores = opt.num_threads > 0 ? opt.num_threads : cpu_cores();
   on_ranks([&](int r, Rank& rk) {
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n));
   });

@@ -1,8 +1,8 @@
 // Causal paged attention on the CPU, fp32. One task per (query row, KV head): the query heads of a
 // GQA group share each K/V row load. Results do not depend on the batch (each task is independent).
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -41,7 +41,7 @@ inline float dot(const float* a, const float* b, int n) {
 }  // namespace
 
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
-               Tensor& out, int threads) {
+               Tensor& out, ThreadPool& pool) {
   QRT_CHECK(q.dtype == DType::F32 && cache.dtype == DType::F32, "cpu attention: float32 only");
   const int D = s.head_dim, Hkv = s.kv_heads, group = s.q_heads / s.kv_heads;
   const int64_t kv_cols = int64_t(Hkv) * D;
@@ -52,17 +52,16 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
     for (int r = b.q_start[si]; r < b.q_start[si + 1]; ++r) row_seq[r] = si;
   // A task is a query row and a run of KV heads: whole rows when there are enough of them (each
   // cache row is then read once, contiguously), single KV heads otherwise.
-  const int heads_per_task = b.num_tokens >= 2 * threads ? Hkv : 1;
+  const int heads_per_task = b.num_tokens >= 2 * pool.size() ? Hkv : 1;
   const int tasks_per_row = Hkv / heads_per_task;
   const int64_t tasks = int64_t(b.num_tokens) * tasks_per_row;
   const bool par = tasks > 1 && int64_t(b.max_ctx_len) * b.num_tokens * s.q_heads > 4096;
-#pragma omp parallel num_threads(threads) if (par)
-  {
+  std::atomic<int64_t> next{0};  // tasks taken one at a time by the next free thread
+  pool.run(par, [&](int, int) {
     const int hq = heads_per_task * group;  // query heads of one task
     std::vector<float> scores(size_t(std::max(1, b.max_ctx_len)) * hq);
     std::vector<float> acc(size_t(D) * hq), inv(hq);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int r = int(t / tasks_per_row), kh0 = int(t % tasks_per_row) * heads_per_task;
       const int si = row_seq[r];
       const int q_len = b.q_start[si + 1] - b.q_start[si];
@@ -95,7 +94,7 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
       for (int h = 0; h < hq; ++h)
         for (int i = 0; i < D; ++i) orow[h * D + i] = acc[size_t(h) * D + i] * inv[h];
     }
-  }
+  });
 }
 
 }  // namespace qrt::cpu

@@ -1,5 +1,4 @@
 // The CPU backend: the reference every other backend is tested against. fp32 activations.
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,7 +56,7 @@ void rms_row(const float* x, int64_t n, const Tensor& w, float eps, bool zc, flo
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_num_procs()) {}
+  explicit CpuBackend(int threads) : pool_(threads > 0 ? threads : available_cores()) {}
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::F32; }
 
@@ -111,28 +110,26 @@ class CpuBackend final : public Backend {
   }
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
     check_f32(x, "rms_norm");
-#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
-    for (int64_t r = 0; r < x.rows; ++r) rms_row(row(x, r), x.cols, w, eps, zc, row(out, r));
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) { rms_row(row(x, r), x.cols, w, eps, zc, row(out, r)); });
   }
   void add_rms_norm(Tensor& res, const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
     check_f32(x, "add_rms_norm");
-#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
-    for (int64_t r = 0; r < x.rows; ++r) {
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
       float* rr = row(res, r);
       const float* xr = row(x, r);
       for (int64_t i = 0; i < x.cols; ++i) rr[i] += xr[i];
       rms_row(rr, x.cols, w, eps, zc, row(out, r));
-    }
+    });
   }
   void head_rms_norm(Tensor& x, int hd, const Tensor& w, float eps, bool zc) override {
     check_f32(x, "head_rms_norm");
     const int64_t heads = x.cols / hd;
-#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
-    for (int64_t r = 0; r < x.rows; ++r)
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
       for (int64_t h = 0; h < heads; ++h) {
         float* p = row(x, r) + h * hd;
         rms_row(p, hd, w, eps, zc, p);
       }
+    });
   }
   void rope(Tensor& x, int hd, const int32_t* positions, const RopeTable& tab) override {
     check_f32(x, "rope");
@@ -141,8 +138,7 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < x.rows; ++r)
       QRT_CHECK(positions[r] >= 0 && positions[r] < tab.max_positions, "rope: position ", positions[r],
                 " outside the table");
-#pragma omp parallel for num_threads(threads_) if (x.rows > 8)
-    for (int64_t r = 0; r < x.rows; ++r) {
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
       const float* cs = tab.cos_sin + int64_t(positions[r]) * tab.rot_dim;
       for (int64_t h = 0; h < heads; ++h) {
         float* p = row(x, r) + h * hd;
@@ -152,25 +148,24 @@ class CpuBackend final : public Backend {
           p[i + half] = b * c + a * s;
         }
       }
-    }
+    });
   }
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override {
     QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
-    cpu::gemm(x, w.w, bias, out, threads_);
+    cpu::gemm(x, w.w, bias, out, pool_);
   }
   void linear_add(const Tensor& x, const Linear& w, Tensor& out) override {
     QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
-    cpu::gemm(x, w.w, nullptr, out, threads_, /*accumulate=*/true);
+    cpu::gemm(x, w.w, nullptr, out, pool_, /*accumulate=*/true);
   }
   void silu_mul(const Tensor& gu, Tensor& out) override {
     check_f32(gu, "silu_mul");
     const int64_t I = out.cols;
-#pragma omp parallel for num_threads(threads_) if (out.rows > 8)
-    for (int64_t r = 0; r < out.rows; ++r) {
+    pool_.for_static(out.rows, out.rows > 8, [&](int64_t r) {
       const float* g = row(gu, r);
       float* o = row(out, r);
       for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
-    }
+    });
   }
   void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b, KvLayer& cache) override {
     check_f32(k, "write_kv");
@@ -183,7 +178,7 @@ class CpuBackend final : public Backend {
   }
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                  Tensor& out) override {
-    cpu::attention(q, cache, b, s, out, threads_);
+    cpu::attention(q, cache, b, s, out, pool_);
   }
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override {
     const size_t rb = size_t(x.cols) * dtype_size(x.dtype);
@@ -204,14 +199,16 @@ class CpuBackend final : public Backend {
       if (src_index[i] >= 0) ids[i] = src[src_index[i]];
   }
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) override {
-    cpu::sample(logits, rows, out, threads_);
+    cpu::sample(logits, rows, out, pool_);
   }
 
  private:
-  int threads_;
+  ThreadPool pool_;
 };
 
 }  // namespace cpu
+
+int cpu_cores() { return cpu::available_cores(); }
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
   return std::make_unique<cpu::CpuBackend>(num_threads);

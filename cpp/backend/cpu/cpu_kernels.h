@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/thread_pool.h"
 #include "backend/ops.h"
 
 namespace qrt::cpu {
@@ -62,11 +63,12 @@ void store_row_f32(const float* src, Tensor& t, int64_t r);
 
 // out[M,N] = x[M,K] @ w[N,K]^T (+ bias). x F32; w F32/F16/BF16. Each output element is computed by the
 // same sequence of operations whatever M, N or the thread count (batch invariance).
-void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate = false);
+void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
+          bool accumulate = false);
 
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
-               Tensor& out, int threads);
+               Tensor& out, ThreadPool& pool);
 
-void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out, int threads);
+void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out, ThreadPool& pool);
 
 }  // namespace qrt::cpu

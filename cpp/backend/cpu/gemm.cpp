@@ -4,8 +4,6 @@
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
 // then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance). Without
 // AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane halves accumulated in two passes (16 registers).
-#include <omp.h>
-
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -338,7 +336,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
 
 // x_pairs: x's rows are permuted for tile_bf16_pairs (bf16 weights, AVX2, fewer than 16 rows).
 template <DType WT>
-void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate,
+void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool, bool accumulate,
             bool x_pairs = false) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   const int64_t esz = int64_t(dtype_size(WT));
@@ -355,11 +353,10 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
   const float* xp = x.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
-#pragma omp parallel num_threads(threads) if (par)
-  {
+  pool.run(par, [&](int t, int T) {
     std::vector<float> wide(widen ? size_t(NB * K) : 0);
-#pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
+    const auto [nb_begin, nb_end] = ThreadPool::static_range(nblocks, t, T);
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
       if (widen)
         for (int64_t j = n_begin; j < nend; ++j) widen_row<WT>(wp + j * ldw, K, wide.data() + (j - n_begin) * K);
@@ -378,7 +375,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, i
         }
       }
     }
-  }
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -438,19 +435,19 @@ void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
   }
 }
 
-void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
+void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
+                  bool accumulate) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   std::vector<uint16_t> xb(size_t(M * K));
-#pragma omp parallel for num_threads(threads) if (M * K > (1 << 14))
-  for (int64_t r = 0; r < M; ++r)
+  pool.for_static(M, M * K > (1 << 14), [&](int64_t r) {
     for (int64_t k = 0; k < K; ++k) xb[r * K + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
+  });
   const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
   // Row tile by batch: prefill (16+ rows) 6 x 4, 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
   const int64_t tm = M >= 16 ? 6 : M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
   const uint16_t* wp = w.ptr<uint16_t>();
   const bool par = M * N * K > (1 << 16);
-#pragma omp parallel for schedule(static) num_threads(threads) if (par)
-  for (int64_t nb = 0; nb < nblocks; ++nb) {
+  pool.for_static(nblocks, par, [&](int64_t nb) {
     const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
     for (int64_t m0 = 0; m0 < M; m0 += tm) {
       const int mr = int(std::min<int64_t>(tm, M - m0));
@@ -463,22 +460,22 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
         store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
       }
     }
-  }
+  });
 }
 #endif
 
 }  // namespace
 
-void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int threads, bool accumulate) {
+void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool, bool accumulate) {
   QRT_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "cpu linear: activations must be float32");
   QRT_CHECK(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows,
             "cpu linear: shape mismatch x[", x.rows, ",", x.cols, "] w[", w.rows, ",", w.cols, "] out[",
             out.rows, ",", out.cols, "]");
   switch (w.dtype) {
-    case DType::F32: gemm_t<DType::F32>(x, w, bias, out, threads, accumulate); break;
+    case DType::F32: gemm_t<DType::F32>(x, w, bias, out, pool, accumulate); break;
     case DType::BF16:
 #if defined(__AVX512BF16__)
-      gemm_bf16_dp(x, w, bias, out, threads, accumulate);
+      gemm_bf16_dp(x, w, bias, out, pool, accumulate);
 #else
       {  // same products as the dot-product path: x rounded to bf16
         std::vector<float> xr(size_t(x.rows * x.cols));
@@ -489,11 +486,11 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, int
           if (pairs) permute_x_pairs(xr.data() + r * x.cols, x.cols);
         }
         Tensor xt(xr.data(), DType::F32, x.rows, x.cols);
-        gemm_t<DType::BF16>(xt, w, bias, out, threads, accumulate, pairs);
+        gemm_t<DType::BF16>(xt, w, bias, out, pool, accumulate, pairs);
       }
 #endif
       break;
-    case DType::F16: gemm_t<DType::F16>(x, w, bias, out, threads, accumulate); break;
+    case DType::F16: gemm_t<DType::F16>(x, w, bias, out, pool, accumulate); break;
     default: QRT_CHECK(false, "cpu linear: weight dtype ", dtype_name(w.dtype), " not supported");
   }
 }

@@ -1,7 +1,7 @@
 // Sampling on the CPU, with the semantics stated in ops.h.
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -131,7 +131,7 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
 
 }  // namespace
 
-void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out, int threads) {
+void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out, ThreadPool& pool) {
   QRT_CHECK(logits.dtype == DType::F32, "cpu sample: logits must be float32");
   const int64_t R = logits.rows, V = logits.cols;
   QRT_CHECK(int64_t(rows.size()) == R, "cpu sample: ", rows.size(), " parameter rows for ", R, " logit rows");
@@ -142,10 +142,12 @@ void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResu
   out.logprobs.assign(R, 0.f);
   out.top_ids.assign(R * max_n, -1);
   out.top_logprobs.assign(R * max_n, -INFINITY);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (R > 1)
-  for (int64_t r = 0; r < R; ++r)
-    sample_row(logits.ptr<float>() + r * logits.stride, V, rows[r], max_n, &out.tokens[r], &out.logprobs[r],
-               out.top_ids.data() + r * max_n, out.top_logprobs.data() + r * max_n);
+  std::atomic<int64_t> next{0};  // rows taken one at a time by the next free thread
+  pool.run(R > 1, [&](int, int) {
+    for (int64_t r; (r = next.fetch_add(1, std::memory_order_relaxed)) < R;)
+      sample_row(logits.ptr<float>() + r * logits.stride, V, rows[r], max_n, &out.tokens[r], &out.logprobs[r],
+                 out.top_ids.data() + r * max_n, out.top_logprobs.data() + r * max_n);
+  });
 }
 
 }  // namespace qrt::cpu
