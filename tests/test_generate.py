@@ -334,3 +334,18 @@ def test_bf16_weights_close_to_fp32(build, fresh_gen, name):
     assert len(c.logprobs[0]) >= 5
     for tok, lp in c.logprobs[0].items():
         assert abs(lp - ref[tok]) < 0.1, (tok, lp, ref[tok])
+
+
+def test_cpu_kv_pool_is_committed_only_when_used(build, fresh_gen):
+    """A CPU KV pool sized for long contexts costs no start-up memory: its pages are taken when written."""
+    import os
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    folder = build("qwen3_gqa2_tied")
+    before = rss()
+    g = fresh_gen(folder, kv_cache_memory=2 << 30)
+    assert g.generate([[3, 4, 5]], max_tokens=4, ignore_eos=True)[0].token_ids
+    assert rss() - before < (512 << 20)

@@ -111,6 +111,12 @@ class Backend {
 
   // Memory. alloc throws std::runtime_error naming the size when memory runs out.
   virtual void* alloc(size_t bytes) = 0;
+  // alloc, zero-filled (in stream order).
+  virtual void* alloc_zeroed(size_t bytes) {
+    void* p = alloc(bytes);
+    fill_zero(p, bytes);
+    return p;
+  }
   virtual void release(void* p) = 0;
   // Stream-ordered copy from host memory; host_src may be reused once upload returns.
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;

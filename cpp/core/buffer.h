@@ -11,6 +11,8 @@ class Buffer {
  public:
   Buffer() = default;
   Buffer(Backend* be, size_t bytes) : be_(be), bytes_(bytes), ptr_(bytes ? be->alloc(bytes) : nullptr) {}
+  struct Zeroed {};
+  Buffer(Backend* be, size_t bytes, Zeroed) : be_(be), bytes_(bytes), ptr_(bytes ? be->alloc_zeroed(bytes) : nullptr) {}
   ~Buffer() { reset(); }
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept {
