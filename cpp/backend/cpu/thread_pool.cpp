@@ -33,10 +33,17 @@ int available_cores() {
 }
 
 ThreadPool::ThreadPool(int threads) {
-  for (int t = 1; t < std::max(1, threads); ++t) workers_.emplace_back([this, t] { work(t); });
+  try {
+    for (int t = 1; t < std::max(1, threads); ++t) workers_.emplace_back([this, t] { work(t); });
+  } catch (...) {
+    shut_down();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { shut_down(); }
+
+void ThreadPool::shut_down() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_.store(true);
@@ -44,6 +51,7 @@ ThreadPool::~ThreadPool() {
   }
   wake_.notify_all();
   for (auto& w : workers_) w.join();
+  workers_.clear();
 }
 
 void ThreadPool::work(int t) {
@@ -54,7 +62,10 @@ void ThreadPool::work(int t) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
       for (int i = 1; (e = epoch_.load(std::memory_order_acquire)) == seen; ++i) {
         relax();
-        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+        if (i % 64 == 0) {
+          if (std::chrono::steady_clock::now() > until) break;
+          std::this_thread::yield();  // more threads than free cores: let the others run
+        }
       }
       if (e == seen) {
         std::unique_lock<std::mutex> lk(mu_);
@@ -87,7 +98,10 @@ void ThreadPool::run(bool parallel, const std::function<void(int, int)>& fn) {
   } catch (...) {
     err = std::current_exception();
   }
-  while (busy_.load(std::memory_order_acquire) != 0) relax();
+  for (int i = 1; busy_.load(std::memory_order_acquire) != 0; ++i) {
+    relax();
+    if (i % 1024 == 0) std::this_thread::yield();  // a worker may be waiting for a core
+  }
   if (err) std::rethrow_exception(err);
 }
 

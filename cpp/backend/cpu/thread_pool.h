@@ -2,7 +2,8 @@
 // (torch loads libgomp), and libgomp sleeps its threads at every barrier once the process holds more OpenMP
 // threads than cores: after one torch matmul in the same process, a batch-1 decode of the bench model ran
 // 76-94 instead of 130 tok/s on 2 cores (threads idle half the time). These workers spin for a while after
-// a loop (the next one comes microseconds later during a step), then sleep until the next.
+// a loop (the next one comes microseconds later during a step), yielding now and then (more threads than
+// free cores must not starve a worker), then sleep until the next.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +53,7 @@ class ThreadPool {
 
  private:
   void work(int t);
+  void shut_down();  // stops and joins the workers
 
   std::vector<std::thread> workers_;
   std::mutex mu_;
