@@ -182,6 +182,12 @@ def test_bad_dtype(folder, dtype):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, dtype=dtype))
 
 
+def test_kv_cache_memory_beyond_the_machine(folder):
+    """The CPU pool is committed as it fills, so a size the machine cannot hold is refused up front."""
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {"kv_cache_memory": 1 << 60})
+
+
 def test_bad_generator_arguments(folder):
     with pytest.raises(TypeError, match="bogus_option"):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2), bogus_option=1)

@@ -204,6 +204,12 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   int64_t pages = 0;
   if (opt.kv_cache_memory > 0) {
     pages = opt.kv_cache_memory / int64_t(bpp);
+    for (auto& rk : ranks) {  // the pool is committed as it fills: refuse what the device cannot hold now
+      size_t fr = 0, total = 0;
+      rk.be->memory_info(&fr, &total);
+      QRT_CHECK_ARG(size_t(opt.kv_cache_memory) <= fr, "kv_cache_memory (", opt.kv_cache_memory,
+                    " bytes) exceeds the memory available on ", rk.be->name(), " (", fr, " bytes)");
+    }
   } else {
     size_t fr = 0, total = 0;
     int64_t fit = INT64_MAX;
