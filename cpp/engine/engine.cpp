@@ -204,11 +204,13 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   int64_t pages = 0;
   if (opt.kv_cache_memory > 0) {
     pages = opt.kv_cache_memory / int64_t(bpp);
-    for (auto& rk : ranks) {  // the pool is committed as it fills: refuse what the device cannot hold now
+    // The pool is committed as it fills: refuse what the device cannot hold now (CPU ranks share one memory).
+    const size_t need = size_t(opt.kv_cache_memory) * (cuda ? 1 : n);
+    for (auto& rk : ranks) {
       size_t fr = 0, total = 0;
       rk.be->memory_info(&fr, &total);
-      QRT_CHECK_ARG(size_t(opt.kv_cache_memory) <= fr, "kv_cache_memory (", opt.kv_cache_memory,
-                    " bytes) exceeds the memory available on ", rk.be->name(), " (", fr, " bytes)");
+      QRT_CHECK_ARG(need <= fr, "kv_cache_memory (", opt.kv_cache_memory, " bytes per rank) exceeds the memory ",
+                    "available on ", rk.be->name(), " (", fr, " bytes)");
     }
   } else {
     size_t fr = 0, total = 0;
