@@ -1,9 +1,9 @@
 #include "engine/engine.h"
 
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <condition_variable>
 #include <deque>
@@ -201,28 +201,26 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   });
   // KV pool: the same number of pages on every rank.
   const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), adt);
+  // Memory free now on the rank with the least (CPU ranks share one memory).
+  size_t free_b = SIZE_MAX;
+  const Backend* least = nullptr;
+  for (auto& rk : ranks) {
+    size_t fr = 0, total = 0;
+    rk.be->memory_info(&fr, &total);
+    if (fr < free_b) free_b = fr, least = rk.be.get();
+  }
   int64_t pages = 0;
   if (opt.kv_cache_memory > 0) {
     pages = opt.kv_cache_memory / int64_t(bpp);
-    // The pool is committed as it fills: refuse what the device cannot hold now (CPU ranks share one memory).
+    // The pool is committed as it fills: refuse what the device cannot hold now.
     const size_t need = size_t(opt.kv_cache_memory) * (cuda ? 1 : n);
-    for (auto& rk : ranks) {
-      size_t fr = 0, total = 0;
-      rk.be->memory_info(&fr, &total);
-      QRT_CHECK_ARG(need <= fr, "kv_cache_memory (", opt.kv_cache_memory, " bytes per rank) exceeds the memory ",
-                    "available on ", rk.be->name(), " (", fr, " bytes)");
-    }
+    QRT_CHECK_ARG(need <= free_b, "kv_cache_memory (", opt.kv_cache_memory, " bytes per rank) exceeds the memory ",
+                  "available on ", least->name(), " (", free_b, " bytes)");
   } else {
-    size_t fr = 0, total = 0;
-    int64_t fit = INT64_MAX;
-    for (auto& rk : ranks) {
-      rk.be->memory_info(&fr, &total);
-      const double share = cuda ? opt.gpu_memory_utilization * double(fr) : 0.25 * double(fr) / n;
-      fit = std::min<int64_t>(fit, int64_t(share / double(bpp)));
-    }
+    const double share = cuda ? opt.gpu_memory_utilization * double(free_b) : 0.25 * double(free_b) / n;
     // Never more than every slot at full length needs.
     const int64_t want = int64_t(opt.max_batch_size) * lim.max_pages_per_seq;
-    pages = std::min(fit, want);
+    pages = std::min<int64_t>(int64_t(share / double(bpp)), want);
   }
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");

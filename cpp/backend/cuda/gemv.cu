@@ -299,7 +299,8 @@ bool gemv_folds_norms() {
 
 // The most rows a GEMV takes; more go to cuBLASLt (with the norm and silu_mul as their own kernels). Default 1:
 // on the H200 that ran Qwen3-8B decode steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at
-// batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8).
+// batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out:
+// docs/PERFORMANCE.md, session 8).
 // QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it; read at every call, so the op tests can set it.
 int gemv_max_rows() {
   const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
