@@ -496,12 +496,13 @@ DECODE_CASES = [
     ([1], [5000], 24, 4, 256, 16),  # Qwen3.8 attention, GQA 6
     ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8),  # GQA 2, page edges
     ([1] * 17, list(range(3, 3 + 17 * 61, 61)), 16, 16, 128, 16),  # GQA 1, many sequences
-    ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16 (two head groups per block)
-    ([1, 1], [900, 64], 64, 2, 128, 16),  # GQA 32: beyond the decode kernel's 16 rows, the rows kernel
+    ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16: beyond the decode kernel's 8 heads, the rows kernel
+    ([1, 1], [900, 64], 64, 2, 128, 16),  # GQA 32: the rows kernel
     # Batches large enough (on 132 SMs) for the decode kernel's 2 and 1 warps per (row, kv head), the last
     # block partly empty:
     ([1] * 270, [3 + (i * 37) % 250 for i in range(270)], 32, 2, 128, 16),
     ([1] * 529, [1 + (i * 53) % 300 for i in range(529)], 32, 2, 128, 16),
+    ([1] * 300, [1 + (i * 29) % 200 for i in range(300)], 64, 8, 128, 32),  # GQA 8, 1 warp per pair
 ]
 
 PREFILL_CASES = [
@@ -546,7 +547,7 @@ QKV_ATTENTION_CASES = [
     ([1, 1, 1], [17, 100, 3000], 32, 8, 128, 16, 128, True),  # Qwen3-8B heads; splits at batch 3
     ([1, 1], [33, 700], 8, 1, 128, 64, 64, False),  # GQA 8, partial rotation, no q/k norm
     ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8, 64, True),  # page edges
-    ([1, 1], [2048, 129], 64, 4, 128, 128, 128, True),  # GQA 16
+    ([1, 1], [2048, 129], 64, 4, 128, 128, 128, True),  # GQA 16: the composition
     ([1] * 270, [3 + (i * 37) % 250 for i in range(270)], 32, 2, 128, 16, 128, True),  # 2 warps per pair
     ([1] * 529, [1 + (i * 53) % 300 for i in range(529)], 32, 2, 128, 16, 128, True),  # 1 warp per pair
     ([1, 50, 1], [300, 80, 1], 8, 2, 128, 16, 128, True),  # not a decode batch: the composition

@@ -128,6 +128,7 @@ __device__ __forceinline__ KvHead<T> kv_head(const AttnArgs& a, int seq, int kvh
 
 struct RowsArgs : AttnArgs {
   int num_seqs, gsubs, q_heads;
+  bool row_is_seq;  // every sequence has one query row (row r is sequence r's)
   float* part;  // nsplit > 1: [rows, q_heads, nsplit, D] outputs then [rows, q_heads, nsplit, 2] (m, l)
   int nsplit, num_tokens;
 };
@@ -136,7 +137,7 @@ struct RowsArgs : AttnArgs {
 // keys cut into nsplit chunks, each rounded up to a multiple of `granule`). Returns the row's key count.
 __device__ __forceinline__ int split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
                                           int& k_end) {
-  s = find_seq(a.q_start, a.num_seqs, row);
+  s = a.row_is_seq ? row : find_seq(a.q_start, a.num_seqs, row);
   const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
   int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
   chunk = (chunk + granule - 1) / granule * granule;
@@ -656,17 +657,19 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
 // A block has 4 warps. WPR (warps per row) 4: the block is one (query row, kv head, split of the keys), its
 // warps taking turns over steps of 16 keys (small batches, long contexts); WPR 2 or 1: the block holds 2 or
 // 4 (row, kv head) pairs, every pair's keys in one split (large batches: a warp walks many steps, so loads
-// stay in flight). Per step a warp multiplies the GQA group's query heads (the 16 rows of mma.m16n8k16,
-// heads beyond the group are zero) with 16 keys and the probabilities with 16 values, reading K and V
-// straight from the paged cache into registers in 16-byte pieces (no shared memory): the head dimensions
-// are permuted so that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B;
-// PV: a lane holds 8 dims of 4 keys and pairs them with byte permutes). A pair's warps meet in shared
-// memory in a fixed order. Scores are kept in log2 units, like the rows kernel (the combine kernel reads
-// both).
+// stay in flight). Per step a warp computes S = Q K^T with the GQA group's query heads as the rows of
+// mma.m16n8k16 (heads beyond the group are zero, rows 8..15 unused) and 16 keys as its columns, then
+// O^T += V^T P^T with 16 head dimensions as the rows and the heads as the 8 columns: S's accumulator is P^T's
+// B fragment as it stands, and the output accumulators hold 8 heads, not 16. K and V are read straight from
+// the paged cache into registers in 16-byte pieces (no shared memory), a step ahead; the head dimensions are
+// permuted so that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B; PV: a
+// lane holds 8 dims of 4 keys and pairs them with byte permutes). With pages of a multiple of 16 keys a step
+// is one page lookup. A pair's warps meet in shared memory in a fixed order. Scores are kept in log2 units,
+// like the rows kernel (the combine kernel reads both).
 constexpr int kDecWarps = 4;
 constexpr int kDecKeys = 16;                       // keys per warp step
 constexpr int kDecGranule = kDecWarps * kDecKeys;  // a split's keys are a multiple of this
-constexpr int kDecMaxGroup = 16;                   // query heads per kv head (the mma rows)
+constexpr int kDecMaxGroup = 8;                    // query heads per kv head (the columns of O^T)
 
 // FUSED: q is the layer's q|k|v projection and the kernel does finish_qkv's work for its rows first (ops.h):
 // every block normalizes and rotates its query heads into shared memory; the block whose keys end with the
@@ -793,18 +796,18 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   grid_wait();
   constexpr int KS = D / 16;  // k-steps of QK
   constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
-  constexpr int NT = D / 8;   // n-tiles of O
+  constexpr int MT = D / 16;  // m-tiles of O^T: m-tile 4 g + j is dims 64 g + 8 gid + 2 j (row gid) and + 1 (gid + 8)
   constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
   constexpr int PAIRS = kDecWarps / WPR;
   static_assert(kDecWarps % WPR == 0, "warps per row");
   static_assert(!FUSED || WPR == kDecWarps, "the fused prologue is written for one pair per block");
-  __shared__ __align__(16) float o_s[kDecWarps][16][LDO];
-  __shared__ float m_s[kDecWarps][16], l_s[kDecWarps][16];
+  __shared__ __align__(16) float o_s[kDecWarps][kDecMaxGroup][LDO];
+  __shared__ float m_s[kDecWarps][kDecMaxGroup], l_s[kDecWarps][kDecMaxGroup];
   // FUSED: the pair's normalized, rotated query heads (aliasing o_s, which is written only after the main
   // loop), the new k and v, and the new key's score per query head (-inf: not this block's key).
   __shared__ __align__(16) T kv_new[2][D];
   __shared__ float s_new[16];
-  static_assert(sizeof(T) * 16 * D <= sizeof(float) * kDecWarps * 16 * LDO, "q_s fits in o_s");
+  static_assert(sizeof(T) * kDecMaxGroup * D <= sizeof(o_s), "q_s fits in o_s");
   T* const q_s = reinterpret_cast<T*>(&o_s[0][0][0]);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int G = a.group;
@@ -835,12 +838,17 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   }
 
   const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
-  // Offset of key j's cache row; keys past k_stop read key k_begin's row (finite values, masked or weighted 0).
-  auto key_row = [&](int j) { return cache.row(j < k_stop ? j : k_begin) * cache.cols; };
-
+  // A step's keys k0 .. k0 + 15 (k0 a multiple of 16) lie in one page when pages are a multiple of 16 keys.
+  const bool one_page = a.page_size % kDecKeys == 0;
   // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
-  // dims 64 g + 8 gid .. + 8 of it. A warp loads its next step's K and V before it works on the current one.
+  // dims 64 g + 8 gid .. + 8 of it. Keys past k_stop read key k0's row (finite values, masked or weighted 0).
+  // A warp loads its next step's K and V before it works on the current one.
   auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
+    const int64_t base = one_page ? cache.row(k0) : 0;
+    auto key_row = [&](int j) {
+      const int jj = j < k_stop ? j : k0;
+      return (one_page ? base + (jj - k0) : cache.row(jj)) * cache.cols;
+    };
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const T* kr = cache.k + key_row(k0 + 8 * t + gid) + 8 * tig;
@@ -864,20 +872,19 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     __syncthreads();
   }
 
-  // Q as A fragments. Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig + 1) is dims 32 i + 8 tig + 4 c
-  // + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece 32 i + 8 tig is two k-steps.
-  uint32_t qa[KS][4];
+  // Q as A fragments of rows gid (rows gid + 8 are zero). Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig
+  // + 1) is dims 32 i + 8 tig + 4 c + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece
+  // 32 i + 8 tig is two k-steps.
+  uint32_t qa[KS][2];
   {
     const T* qr = FUSED ? q_s
                         : static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
     auto q16 = [&](const T* p) { return FUSED ? *reinterpret_cast<const uint4*>(p) : load16(p); };
-    const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-      const uint4 lo = has_row && gid < G ? q16(qr + gid * D + 32 * i + 8 * tig) : zero;
-      const uint4 hi = has_row && gid + 8 < G ? q16(qr + (gid + 8) * D + 32 * i + 8 * tig) : zero;
-      qa[2 * i][0] = lo.x, qa[2 * i][1] = hi.x, qa[2 * i][2] = lo.y, qa[2 * i][3] = hi.y;
-      qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = hi.z, qa[2 * i + 1][2] = lo.w, qa[2 * i + 1][3] = hi.w;
+      const uint4 lo = has_row && gid < G ? q16(qr + gid * D + 32 * i + 8 * tig) : make_uint4(0, 0, 0, 0);
+      qa[2 * i][0] = lo.x, qa[2 * i][1] = lo.y;
+      qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = lo.w;
     }
   }
   if constexpr (FUSED) {
@@ -885,15 +892,16 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
     __syncthreads();  // q_s (in o_s) is read; the warps may now write o_s
   }
 
-  float o[NT][4];
+  // O^T: o[4 g + j][0..1] dim 64 g + 8 gid + 2 j, heads 2 tig and 2 tig + 1; [2..3] the next dim.
+  float o[MT][4];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
+  for (int t = 0; t < MT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m0 = -INFINITY, l0 = 0.f;  // head gid
 
   for (; k0 < k_stop; k0 += kStride) {
     uint4 kn[2][D / 32], vn[4][NG];
     if (k0 + kStride < k_stop) load_step(k0 + kStride, kn, vn);
-    // S = Q K^T: sc[t][0..1] row gid, keys k0 + 8 t + 2 tig + {0, 1}; sc[t][2..3] row gid + 8.
+    // S = Q K^T: sc[t][0..1] head gid, keys k0 + 8 t + 2 tig + {0, 1} ([2..3]: the zero rows gid + 8).
     float sc[2][4];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -902,52 +910,45 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
       for (int ks = 0; ks < KS; ++ks) {
         const uint4& k = kv[t][ks / 2];
         const uint32_t b0 = ks % 2 == 0 ? k.x : k.z, b1 = ks % 2 == 0 ? k.y : k.w;
-        mma16816<T>(sc[t], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+        mma16816<T>(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        sc[t][e] = k0 + 8 * t + 2 * tig + (e & 1) < k_stop ? sc[t][e] * a.scale_log2 : -INFINITY;
+      for (int e = 0; e < 2; ++e)
+        sc[t][e] = k0 + 8 * t + 2 * tig + e < k_stop ? sc[t][e] * a.scale_log2 : -INFINITY;
     }
-    // Online softmax over the 16 keys (a row's 16 scores sit in the 4 lanes of one tig group).
-    float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
-    float mx1 = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
+    // Online softmax over the 16 keys (a head's 16 scores sit in the 4 lanes of one tig group).
+    float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float b0 = n0 == -INFINITY ? 0.f : n0, b1 = n1 == -INFINITY ? 0.f : n1;
-    const float al0 = exp2f(m0 - b0), al1 = exp2f(m1 - b1);
+    for (int off = 1; off <= 2; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float n0 = fmaxf(m0, mx);
+    const float b0 = n0 == -INFINITY ? 0.f : n0;
+    const float al = exp2f(m0 - b0);
     m0 = n0;
-    m1 = n1;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       sc[t][0] = exp2f(sc[t][0] - b0);
       sc[t][1] = exp2f(sc[t][1] - b0);
-      sc[t][2] = exp2f(sc[t][2] - b1);
-      sc[t][3] = exp2f(sc[t][3] - b1);
     }
-    l0 = l0 * al0 + (sc[0][0] + sc[0][1]) + (sc[1][0] + sc[1][1]);
-    l1 = l1 * al1 + (sc[0][2] + sc[0][3]) + (sc[1][2] + sc[1][3]);
+    l0 = l0 * al + (sc[0][0] + sc[0][1]) + (sc[1][0] + sc[1][1]);
+    // This lane's output columns are heads 2 tig and 2 tig + 1: their factors live in lanes 8 tig and 8 tig + 4.
+    const float al_a = __shfl_sync(0xffffffffu, al, 8 * tig), al_b = __shfl_sync(0xffffffffu, al, 8 * tig + 4);
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      o[t][0] *= al0;
-      o[t][1] *= al0;
-      o[t][2] *= al1;
-      o[t][3] *= al1;
+    for (int t = 0; t < MT; ++t) {
+      o[t][0] *= al_a;
+      o[t][1] *= al_b;
+      o[t][2] *= al_a;
+      o[t][3] *= al_b;
     }
-    // O += P V: P's A fragment is S's accumulator layout; n-tile 8 g + j's column gid is dim 64 g + 8 gid + j.
-    const uint32_t pa0 = pack2<T>(sc[0][0], sc[0][1]), pa1 = pack2<T>(sc[0][2], sc[0][3]);
-    const uint32_t pa2 = pack2<T>(sc[1][0], sc[1][1]), pa3 = pack2<T>(sc[1][2], sc[1][3]);
+    // O^T += V^T P^T. B = P^T (k keys, n heads): (keys 2 tig, 2 tig + 1; head gid) is S's n-tile 0 as it
+    // stands, keys + 8 n-tile 1. A = V^T (m dims, k keys): a lane's words j of its 4 keys' pieces, paired.
+    const uint32_t pb0 = pack2<T>(sc[0][0], sc[0][1]), pb1 = pack2<T>(sc[1][0], sc[1][1]);
 #pragma unroll
     for (int g = 0; g < NG; ++g)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const unsigned sel = j % 2 == 0 ? 0x5410u : 0x7632u;
-        const uint32_t vb0 = __byte_perm(word(vv[0][g], j / 2), word(vv[1][g], j / 2), sel);
-        const uint32_t vb1 = __byte_perm(word(vv[2][g], j / 2), word(vv[3][g], j / 2), sel);
-        mma16816<T>(o[8 * g + j], pa0, pa1, pa2, pa3, vb0, vb1);
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w0 = word(vv[0][g], j), w1 = word(vv[1][g], j), w2 = word(vv[2][g], j), w3 = word(vv[3][g], j);
+        mma16816<T>(o[4 * g + j], __byte_perm(w0, w1, 0x5410u), __byte_perm(w0, w1, 0x7632u),
+                    __byte_perm(w2, w3, 0x5410u), __byte_perm(w2, w3, 0x7632u), pb0, pb1);
       }
 #pragma unroll
     for (int t = 0; t < 2; ++t)
@@ -959,27 +960,20 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
       for (int g = 0; g < NG; ++g) vv[e][g] = vn[e][g];
   }
 
-  // The warps meet: o[8 g + j][0..1] is row gid, dims 64 g + 16 tig + j and + 8 (rows gid + 8: [2..3]).
+  // The warps meet.
 #pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
+  for (int off = 1; off <= 2; off <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, off);
   if (tig == 0) {
     m_s[warp][gid] = m0;
-    m_s[warp][gid + 8] = m1;
     l_s[warp][gid] = l0;
-    l_s[warp][gid + 8] = l1;
   }
 #pragma unroll
   for (int g = 0; g < NG; ++g)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int d = 64 * g + 16 * tig + j;
-      o_s[warp][gid][d] = o[8 * g + j][0];
-      o_s[warp][gid][d + 8] = o[8 * g + j][1];
-      o_s[warp][gid + 8][d] = o[8 * g + j][2];
-      o_s[warp][gid + 8][d + 8] = o[8 * g + j][3];
+    for (int j = 0; j < 4; ++j) {
+      const int d = 64 * g + 8 * gid + 2 * j;
+      *reinterpret_cast<float2*>(&o_s[warp][2 * tig][d]) = make_float2(o[4 * g + j][0], o[4 * g + j][2]);
+      *reinterpret_cast<float2*>(&o_s[warp][2 * tig + 1][d]) = make_float2(o[4 * g + j][1], o[4 * g + j][3]);
     }
   __syncthreads();
   // Pair p's warps p * WPR .. + WPR meet, in that order.
@@ -1035,7 +1029,7 @@ int choose_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   return int(std::max<int64_t>(n, 1));
 }
 
-// The decode kernel takes one-query-row batches of 16-bit heads of 64 or 128 dims, up to 16 query heads per
+// The decode kernel takes one-query-row batches of 16-bit heads of 64 or 128 dims, up to 8 query heads per
 // kv head, 16-byte aligned q rows (QWEN_RT_DECODE_ATTN=rows: the rows kernel instead, for comparison).
 bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_bytes) {
   static const bool off = [] {
@@ -1111,6 +1105,7 @@ RowsArgs rows_args(const Tensor& q, const KvLayer& cache, const AttnBatch& b, co
   RowsArgs a;
   attn_args(a, q, cache, b, sh, out);
   a.num_seqs = b.num_seqs;
+  a.row_is_seq = b.num_tokens == b.num_seqs && b.max_q_len == 1;
   a.gsubs = gsubs;
   a.q_heads = sh.q_heads;
   a.part = ws.partial;

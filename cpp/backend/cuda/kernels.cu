@@ -84,16 +84,31 @@ __global__ void rms_norm_kernel(const T* res_in, int64_t rs_in, const T* x, int6
 }
 
 // rms_norm_kernel with 16-byte pieces held in registers (up to V per thread): every load of a row is in
-// flight at once, which is what a one-row (decode) step waits on. Same arithmetic per element.
+// flight at once, which is what a one-row (decode) step waits on. The gains are weights: they are read
+// before grid_wait, while the kernel before is still finishing. Same arithmetic per element.
 template <typename T, int V>
 __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const T* res_in, int64_t rs_in, const T* x, int64_t xs,
-                                                            const void* w, DType wt, float eps, bool zc, T* res_out,
-                                                            int64_t rs_out, T* out, int64_t os, int64_t n) {
+                                                            const void* w, DType wt, bool w_vec, float eps, bool zc,
+                                                            T* res_out, int64_t rs_out, T* out, int64_t os, int64_t n) {
   constexpr int N = Vec16<T>::N;
   grid_release();
-  grid_wait();
   const int64_t r = blockIdx.x;
   const int nv = int(n / N);
+  Vec16<T> g[V];  // gains (1 + w when zero-centred)
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= nv) break;
+    if (w_vec) {  // gains of dtype T, 16-byte aligned
+      g[j].load(static_cast<const T*>(w) + int64_t(i) * N);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) g[j].f[k] = load_any(w, wt, int64_t(i) * N + k);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) g[j].f[k] = zc ? 1.0f + g[j].f[k] : g[j].f[k];
+  }
+  grid_wait();
   Vec16<T> v[V];
   float ss = 0.f;
 #pragma unroll
@@ -118,10 +133,7 @@ __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const T* res_in, int
     const int i = threadIdx.x + j * blockDim.x;
     if (i >= nv) break;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const float wi = load_any(w, wt, int64_t(i) * N + k);
-      v[j].f[k] = v[j].f[k] * inv * (zc ? 1.0f + wi : wi);
-    }
+    for (int k = 0; k < N; ++k) v[j].f[k] = v[j].f[k] * inv * g[j].f[k];
     v[j].store(out + r * os + int64_t(i) * N);
   }
 }
@@ -290,11 +302,12 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
                      aligned16(out.data, out.stride * es) &&
                      (!residual_in || aligned16(residual_in->data, residual_in->stride * es)) &&
                      (!residual || aligned16(residual->data, residual->stride * es));
+    const bool w_vec = w.dtype == x.dtype && aligned16(w.data, 0);
     if (vec) {
       const unsigned threads = unsigned(std::max<int64_t>(32, (ceil_div(nv, V) + 31) / 32 * 32));
       launch_chained(
           rms_norm_vec_kernel<T, V>, unsigned(x.rows), threads, 0, s, residual_in ? residual_in->ptr<T>() : nullptr, residual_in ? residual_in->stride : 0, x.ptr<T>(),
-          x.stride, w.data, w.dtype, eps, zc, residual ? residual->ptr<T>() : nullptr,
+          x.stride, w.data, w.dtype, w_vec, eps, zc, residual ? residual->ptr<T>() : nullptr,
           residual ? residual->stride : 0, out.ptr<T>(), out.stride, x.cols);
       return;
     }
