@@ -1,7 +1,6 @@
 // Sampling on the CPU, with the semantics stated in ops.h.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -142,11 +141,9 @@ void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResu
   out.logprobs.assign(R, 0.f);
   out.top_ids.assign(R * max_n, -1);
   out.top_logprobs.assign(R * max_n, -INFINITY);
-  std::atomic<int64_t> next{0};  // rows taken one at a time by the next free thread
-  pool.run(R > 1, [&](int, int) {
-    for (int64_t r; (r = next.fetch_add(1, std::memory_order_relaxed)) < R;)
-      sample_row(logits.ptr<float>() + r * logits.stride, V, rows[r], max_n, &out.tokens[r], &out.logprobs[r],
-                 out.top_ids.data() + r * max_n, out.top_logprobs.data() + r * max_n);
+  pool.for_dynamic(R, true, [&](int64_t r, int) {
+    sample_row(logits.ptr<float>() + r * logits.stride, V, rows[r], max_n, &out.tokens[r], &out.logprobs[r],
+               out.top_ids.data() + r * max_n, out.top_logprobs.data() + r * max_n);
   });
 }
 

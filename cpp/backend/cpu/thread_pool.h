@@ -44,6 +44,15 @@ class ThreadPool {
     });
   }
 
+  // body(i, t) for i in [0, n), each i taken by the next free thread t (work of uneven size).
+  template <typename F>
+  void for_dynamic(int64_t n, bool parallel, F&& body) {
+    std::atomic<int64_t> next{0};
+    run(parallel && n > 1, [&](int t, int) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) body(i, t);
+    });
+  }
+
   // [begin, end) of thread t of T over n items: contiguous, sizes differing by at most one.
   static std::pair<int64_t, int64_t> static_range(int64_t n, int t, int T) {
     const int64_t q = n / T, r = n % T;
