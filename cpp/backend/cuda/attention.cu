@@ -701,7 +701,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // sit in D / 8 consecutive lanes (the norm's sum and the rotation partner are lane shuffles).
 template <typename T, int D>
 __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kvh, bool has_row, bool owner, T* q_s,
-                                            T (&kv_new)[2][D], float (&s_new)[16]) {
+                                            T (&kv_new)[2][D], float (&s_new)[kDecMaxGroup]) {
   constexpr int CPH = D / 8;  // pieces per head
   const int G = a.group, tp = threadIdx.x;
   const int heads = has_row ? G + (owner ? 2 : 0) : 0;  // q heads, then k and v
@@ -764,13 +764,13 @@ __device__ __forceinline__ void finish_pair(const DecodeArgs& a, int row, int kv
       }
     }
   }
-  if (!owner && tp < 16) s_new[tp] = -INFINITY;
+  if (!owner && tp < kDecMaxGroup) s_new[tp] = -INFINITY;
 }
 
 // FUSED, after finish_pair and a barrier: the owner's score of the new key for each query head, in log2 units.
 template <typename T, int D>
 __device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row, bool owner, const T* q_s,
-                                               const T* k_new, float (&s_new)[16]) {
+                                               const T* k_new, float (&s_new)[kDecMaxGroup]) {
   constexpr int CPH = D / 8;
   if (!has_row || !owner) return;  // uniform over the block
   const int G = a.group, tp = threadIdx.x;
@@ -806,7 +806,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // FUSED: the pair's normalized, rotated query heads (aliasing o_s, which is written only after the main
   // loop), the new k and v, and the new key's score per query head (-inf: not this block's key).
   __shared__ __align__(16) T kv_new[2][D];
-  __shared__ float s_new[16];
+  __shared__ float s_new[kDecMaxGroup];
   static_assert(sizeof(T) * kDecMaxGroup * D <= sizeof(o_s), "q_s fits in o_s");
   T* const q_s = reinterpret_cast<T*>(&o_s[0][0][0]);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
