@@ -793,7 +793,6 @@ __device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row
 template <typename T, int D, int WPR, bool FUSED>
 __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const DecodeArgs a) {
   grid_release();
-  grid_wait();
   constexpr int KS = D / 16;  // k-steps of QK
   constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
   constexpr int MT = D / 16;  // m-tiles of O^T: m-tile 4 g + j is dims 64 g + 8 gid + 2 j (row gid) and + 1 (gid + 8)
@@ -820,6 +819,8 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
       row = p / a.kv_heads, kvh = p % a.kv_heads;
     }
   };
+  // Up to grid_wait: the step's metadata (uploaded before the step's first kernel; no kernel writes it) and
+  // the first keys when they are old.
   const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
   int row, kvh, k_begin = 0, k_end = 0, s = 0, n_keys = 0;
   pair_of(warp / WPR, row, kvh);
@@ -829,14 +830,6 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // FUSED: whether this block holds the row's new key (the last one); the cache keys stop before it.
   const bool owner = FUSED && k_begin < k_end && k_end == n_keys;
   const int k_stop = owner ? k_end - 1 : k_end;
-
-  if constexpr (WPR == kDecWarps) {
-    if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
-      write_empty_split<T, D>(a, row, h0, G, split);
-      return;
-    }
-  }
-
   const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
   // A step's keys k0 .. k0 + 15 (k0 a multiple of 16) lie in one page when pages are a multiple of 16 keys.
   const bool one_page = a.page_size % kDecKeys == 0;
@@ -865,7 +858,19 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   constexpr int kStride = WPR * kDecKeys;
   uint4 kv[2][D / 32], vv[4][NG];
   int k0 = k_begin + (warp % WPR) * kDecKeys;
-  if (k0 < k_stop) load_step(k0, kv, vv);
+  // The first step loads before grid_wait when no kernel of this step writes its keys: every key but the
+  // row's new one (n_keys - 1, written by the finish kernel before this one; FUSED: by this kernel, and
+  // k_stop ends before it) was written by an earlier step.
+  const bool early = k0 < k_stop && (FUSED || min(k0 + kDecKeys, k_stop) < n_keys);
+  if (early) load_step(k0, kv, vv);
+  grid_wait();
+  if constexpr (WPR == kDecWarps) {
+    if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
+      write_empty_split<T, D>(a, row, h0, G, split);
+      return;
+    }
+  }
+  if (k0 < k_stop && !early) load_step(k0, kv, vv);
 
   if constexpr (FUSED) {
     finish_pair<T, D>(a, row, kvh, has_row, owner, q_s, kv_new, s_new);
@@ -963,6 +968,23 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // The warps meet.
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+  if constexpr (WPR == 1 && !FUSED) {
+    // A warp per pair (nsplit is 1 below 4 warps per row): its heads 2 tig and 2 tig + 1 are written as they
+    // are, divided by their sums (those of lanes 8 tig and 8 tig + 4).
+    const float la = __shfl_sync(0xffffffffu, l0, 8 * tig), lb = __shfl_sync(0xffffffffu, l0, 8 * tig + 4);
+    if (!has_row) return;
+    T* const op = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+#pragma unroll
+    for (int g = 0; g < NG; ++g)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int d = 64 * g + 8 * gid + 2 * j;
+        const float* c = o[4 * g + j];
+        if (2 * tig < G) *reinterpret_cast<uint32_t*>(op + 2 * tig * D + d) = pack2<T>(c[0] / la, c[2] / la);
+        if (2 * tig + 1 < G) *reinterpret_cast<uint32_t*>(op + (2 * tig + 1) * D + d) = pack2<T>(c[1] / lb, c[3] / lb);
+      }
+    return;
+  }
   if (tig == 0) {
     m_s[warp][gid] = m0;
     l_s[warp][gid] = l0;
@@ -976,39 +998,49 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
       *reinterpret_cast<float2*>(&o_s[warp][2 * tig + 1][d]) = make_float2(o[4 * g + j][1], o[4 * g + j][3]);
     }
   __syncthreads();
-  // Pair p's warps p * WPR .. + WPR meet, in that order.
-  for (int i = tid; i < PAIRS * G * D; i += kDecWarps * 32) {
-    const int p = i / (G * D), h = (i / D) % G, d = i % D;
+  // Pair p's warps p * WPR .. + WPR meet, in that order (then the new key); a thread takes 4 dims of a head.
+  constexpr int D4 = D / 4, kHeadsPerPass = kDecWarps * 32 / D4;
+  const int d = (tid % D4) * 4;
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
     int prow, pkvh;
     pair_of(p, prow, pkvh);
     if (prow >= a.num_tokens) break;  // this and every later pair are past the batch
-    const float sn = FUSED ? s_new[h] : -INFINITY;  // the new key, after the warps
-    float M = sn;
+    for (int h = tid / D4; h < G; h += kHeadsPerPass) {
+      const float sn = FUSED ? s_new[h] : -INFINITY;
+      float M = sn;
 #pragma unroll
-    for (int w = p * WPR; w < p * WPR + WPR; ++w) M = fmaxf(M, m_s[w][h]);
-    float num = 0.f, den = 0.f;
+      for (int w = p * WPR; w < p * WPR + WPR; ++w) M = fmaxf(M, m_s[w][h]);
+      float num[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
 #pragma unroll
-    for (int w = p * WPR; w < p * WPR + WPR; ++w) {
-      if (m_s[w][h] == -INFINITY) continue;  // a warp without keys
-      const float f = exp2f(m_s[w][h] - M);
-      num = fmaf(f, o_s[w][h][d], num);
-      den = fmaf(f, l_s[w][h], den);
-    }
-    if (sn != -INFINITY) {
-      const float f = exp2f(sn - M);
-      num = fmaf(f, to_f(kv_new[1][d]), num);
-      den += f;
-    }
-    const float v = num / den;
-    const int hq = pkvh * G + h;
-    if (a.nsplit == 1) {
-      static_cast<T*>(a.out)[int64_t(prow) * a.out_stride + int64_t(hq) * D + d] = from_f<T>(v);
-    } else {
-      split_out(a, prow, hq, split, D)[d] = v;
-      if (d == 0) {
-        float* ml = split_ml(a, prow, hq, split, D);
-        ml[0] = M;
-        ml[1] = den;
+      for (int w = p * WPR; w < p * WPR + WPR; ++w) {
+        if (m_s[w][h] == -INFINITY) continue;  // a warp without keys
+        const float f = exp2f(m_s[w][h] - M);
+        const float4 ov = *reinterpret_cast<const float4*>(&o_s[w][h][d]);
+        num[0] = fmaf(f, ov.x, num[0]);
+        num[1] = fmaf(f, ov.y, num[1]);
+        num[2] = fmaf(f, ov.z, num[2]);
+        num[3] = fmaf(f, ov.w, num[3]);
+        den = fmaf(f, l_s[w][h], den);
+      }
+      if (sn != -INFINITY) {
+        const float f = exp2f(sn - M);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) num[i] = fmaf(f, to_f(kv_new[1][d + i]), num[i]);
+        den += f;
+      }
+      const int hq = pkvh * G + h;
+      if (a.nsplit == 1) {
+        T* op = static_cast<T*>(a.out) + int64_t(prow) * a.out_stride + int64_t(hq) * D + d;
+        *reinterpret_cast<uint2*>(op) = make_uint2(pack2<T>(num[0] / den, num[1] / den), pack2<T>(num[2] / den, num[3] / den));
+      } else {
+        *reinterpret_cast<float4*>(split_out(a, prow, hq, split, D) + d) =
+            make_float4(num[0] / den, num[1] / den, num[2] / den, num[3] / den);
+        if (d == 0) {
+          float* ml = split_ml(a, prow, hq, split, D);
+          ml[0] = M;
+          ml[1] = den;
+        }
       }
     }
   }
