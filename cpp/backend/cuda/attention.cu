@@ -133,14 +133,21 @@ struct RowsArgs : AttnArgs {
   int nsplit, num_tokens;
 };
 
-// Split `split` of query row `row`: its sequence s and the keys [k_begin, k_end) it attends to (the row's
-// keys cut into nsplit chunks, each rounded up to a multiple of `granule`). Returns the row's key count.
+// Query row `row`'s sequence s and key count n_keys; returns the keys of each of its nsplit splits (the keys
+// cut into nsplit chunks, each rounded up to a multiple of `granule`: trailing splits may have none).
+__device__ __forceinline__ int split_chunk(const RowsArgs& a, int row, int granule, int& s, int& n_keys) {
+  s = a.row_is_seq ? row : find_seq(a.q_start, a.num_seqs, row);
+  n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
+  const int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
+  return (chunk + granule - 1) / granule * granule;
+}
+
+// Split `split` of query row `row`: its sequence s and the keys [k_begin, k_end) it attends to. Returns the
+// row's key count.
 __device__ __forceinline__ int split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
                                           int& k_end) {
-  s = a.row_is_seq ? row : find_seq(a.q_start, a.num_seqs, row);
-  const int n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
-  int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
-  chunk = (chunk + granule - 1) / granule * granule;
+  int n_keys;
+  const int chunk = split_chunk(a, row, granule, s, n_keys);
   k_begin = split * chunk;
   k_end = min(n_keys, k_begin + chunk);
   return n_keys;
@@ -155,20 +162,12 @@ __device__ __forceinline__ float* split_ml(const RowsArgs& a, int row, int head,
          ((size_t(row) * a.q_heads + head) * a.nsplit + split) * 2;
 }
 
-// A split without keys (the whole block): heads [h0, h0 + ng) of `row` get a -inf max (nsplit > 1) or a zero
-// output.
+// A row without keys (nsplit 1, the whole block): heads [h0, h0 + ng) of `row` get a zero output. (A split
+// without keys when nsplit > 1 writes nothing: the combine kernel reads only the splits that have keys.)
 template <typename T, int D>
-__device__ __forceinline__ void write_empty_split(const RowsArgs& a, int row, int h0, int ng, int split) {
-  if (a.nsplit > 1) {
-    if (int(threadIdx.x) < ng) {
-      float* ml = split_ml(a, row, h0 + threadIdx.x, split, D);
-      ml[0] = -INFINITY;
-      ml[1] = 0.f;
-    }
-  } else {
-    T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
-    for (int i = threadIdx.x; i < ng * D; i += blockDim.x) o[i] = from_f<T>(0.f);
-  }
+__device__ __forceinline__ void write_zero_output(const RowsArgs& a, int row, int h0, int ng) {
+  T* o = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
+  for (int i = threadIdx.x; i < ng * D; i += blockDim.x) o[i] = from_f<T>(0.f);
 }
 
 template <typename T, int D, int GM>
@@ -198,8 +197,8 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
   split_keys(a, row, split, TILE, s, k_begin, k_end);
   const int h0 = kvh * a.group + g0;
 
-  if (k_begin >= k_end) {  // empty split (or no keys at all)
-    write_empty_split<T, D>(a, row, h0, ng, split);
+  if (k_begin >= k_end) {  // a split without keys, or (nsplit 1) a row without keys
+    if (a.nsplit == 1) write_zero_output<T, D>(a, row, h0, ng);
     return;
   }
 
@@ -370,26 +369,30 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
   }
 }
 
+// nsplit > 1: block (row, query head) merges the row's splits that have keys (split_chunk with the granule of
+// the kernel that wrote them) into out.
 template <typename T>
-__global__ void attn_combine_kernel(const float* part, int num_tokens, int q_heads, int nsplit, int D, T* out,
-                                    int64_t out_stride) {
+__global__ void attn_combine_kernel(const RowsArgs a, int D, int granule) {
   grid_release();
+  const int row = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
+  int s, n_keys;
+  const int chunk = split_chunk(a, row, granule, s, n_keys);  // metadata: read before grid_wait
+  const int splits = min(a.nsplit, (n_keys + chunk - 1) / chunk);
   grid_wait();
-  const int row = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
-  const size_t base = size_t(row) * q_heads + h;
-  const float* ml = part + size_t(num_tokens) * q_heads * nsplit * D + base * nsplit * 2;
+  const float* ml = split_ml(a, row, h, 0, D);   // split s: (max, sum) at ml[2 s]
+  const float* po = split_out(a, row, h, 0, D);  // split s: po[s D ..]
   float M = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[2 * s]);
+  for (int i = 0; i < splits; ++i) M = fmaxf(M, ml[2 * i]);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float num = 0.f, den = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
-      const float m = ml[2 * s];
+    for (int i = 0; i < splits; ++i) {
+      const float m = ml[2 * i];
       if (m == -INFINITY) continue;
-      const float w = ml[2 * s + 1] * exp2f(m - M);
-      num = fmaf(w, part[(base * nsplit + s) * D + d], num);
+      const float w = ml[2 * i + 1] * exp2f(m - M);
+      num = fmaf(w, po[i * D + d], num);
       den += w;
     }
-    out[int64_t(row) * out_stride + int64_t(h) * D + d] = from_f<T>(den > 0.f ? num / den : 0.f);
+    static_cast<T*>(a.out)[int64_t(row) * a.out_stride + int64_t(h) * D + d] = from_f<T>(den > 0.f ? num / den : 0.f);
   }
 }
 
@@ -862,11 +865,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // row's new one (n_keys - 1, written by the finish kernel before this one; FUSED: by this kernel, and
   // k_stop ends before it) was written by an earlier step.
   const bool early = k0 < k_stop && (FUSED || min(k0 + kDecKeys, k_stop) < n_keys);
+  if constexpr (WPR == kDecWarps) {
+    if (k_begin >= k_end && a.nsplit > 1) return;  // a split without keys: nothing to write (the combine skips it)
+  }
   if (early) load_step(k0, kv, vv);
   grid_wait();
   if constexpr (WPR == kDecWarps) {
-    if (k_begin >= k_end) {  // empty split (or no keys at all): the whole block
-      write_empty_split<T, D>(a, row, h0, G, split);
+    if (k_begin >= k_end) {  // nsplit 1, a row without keys: the whole block
+      write_zero_output<T, D>(a, row, h0, G);
       return;
     }
   }
@@ -1146,12 +1152,10 @@ RowsArgs rows_args(const Tensor& q, const KvLayer& cache, const AttnBatch& b, co
   return a;
 }
 
-// nsplit > 1: the splits' partial outputs in ws merged into out.
+// a.nsplit > 1: the splits' partial outputs merged into out (granule: that of the kernel that wrote them).
 template <typename T>
-void launch_combine(const AttnBatch& b, const AttnShape& sh, const AttnWorkspace& ws, int nsplit, Tensor& out,
-                    cudaStream_t st) {
-  launch_chained(attn_combine_kernel<T>, unsigned(b.num_tokens * sh.q_heads), sh.head_dim, 0, st, ws.partial,
-                 b.num_tokens, sh.q_heads, nsplit, sh.head_dim, out.ptr<T>(), out.stride);
+void launch_combine(const RowsArgs& a, int D, int granule, cudaStream_t st) {
+  launch_chained(attn_combine_kernel<T>, unsigned(a.num_tokens * a.q_heads), D, 0, st, a, D, granule);
   check_launch("attention (combine)");
 }
 
@@ -1173,7 +1177,7 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     launch_chained(attn_rows_kernel<T, D, kGMax>, grid, kRowThreads, smem, st, a);
   }
   check_launch("attention (rows)");
-  if (nsplit > 1) launch_combine<T>(b, sh, ws, nsplit, out, st);
+  if (nsplit > 1) launch_combine<T>(a, D, RowCfg<T>::kTile, st);
 }
 
 template <typename T, int D, bool FUSED>
@@ -1189,7 +1193,7 @@ void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Te
     launch_chained(attn_decode_kernel<T, D, kDecWarps, FUSED>,
                    dim3(unsigned(a.nsplit), unsigned(sh.kv_heads), unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
-  if (a.nsplit > 1) launch_combine<T>(b, sh, ws, a.nsplit, out, st);
+  if (a.nsplit > 1) launch_combine<T>(a, D, kDecGranule, st);
 }
 
 template <typename T, int D, int WARPS, int MT>
