@@ -381,6 +381,11 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
 #if defined(__AVX512BF16__)
 // bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
 // multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
+// Each step of a tile prefetches the same 64 bytes of the weight rows two tiles on (the rows a thread walks
+// next): on a 2-core AVX512-BF16 VM this took a step's products at 8 rows from ~6.5 to ~5.2-6.2 ms (the
+// hardware prefetcher alone left the weight stream at ~30 GB/s of the ~44 a plain read reaches;
+// scripts/gemm_cpu_bench.cpp, docs/PERFORMANCE.md).
+constexpr int kPrefetchTiles = 2;
 template <int mr, int nr>
 void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
   __m512 acc[mr][nr];
@@ -397,7 +402,7 @@ void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int
     }
   };
   for (int64_t k = 0; k < kv; k += 32) {
-    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + 4096, _MM_HINT_T0);
+    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchTiles * nr) * ldw + k), _MM_HINT_T0);
     step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
   }
   if (kv < K) {
