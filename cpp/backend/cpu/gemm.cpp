@@ -382,9 +382,10 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
 // bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
 // multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
 // Each step of a tile prefetches the same 64 bytes of the weight rows two tiles on (the rows a thread walks
-// next): on a 2-core AVX512-BF16 VM this took a step's products at 8 rows from ~6.5 to ~5.2-6.2 ms (the
-// hardware prefetcher alone left the weight stream at ~30 GB/s of the ~44 a plain read reaches;
-// scripts/gemm_cpu_bench.cpp, docs/PERFORMANCE.md).
+// next when the x rows fit one tile; with more, the last tiles of a pass prefetch ahead of the next pass's
+// start, which is harmless). On a 2-core AVX512-BF16 VM this took one decode step's products at 1 / 8 rows
+// from 4.86 / 6.33 to 4.60 / 5.04 ms (scripts/gemm_cpu_bench.cpp; a plain read of that VM's memory runs at
+// ~44 GB/s). Addresses past the last row are only prefetched (no fault on x86), never read.
 constexpr int kPrefetchTiles = 2;
 template <int mr, int nr>
 void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {

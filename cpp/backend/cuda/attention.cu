@@ -133,8 +133,8 @@ struct RowsArgs : AttnArgs {
   int nsplit, num_tokens;
 };
 
-// Query row `row`'s sequence s and key count n_keys; returns the keys of each of its nsplit splits (the keys
-// cut into nsplit chunks, each rounded up to a multiple of `granule`: trailing splits may have none).
+// Query row `row`'s sequence s and key count n_keys; returns the keys per split (chunk): the row's keys cut
+// into nsplit chunks, each rounded up to a multiple of `granule` (trailing splits may have none).
 __device__ __forceinline__ int split_chunk(const RowsArgs& a, int row, int granule, int& s, int& n_keys) {
   s = a.row_is_seq ? row : find_seq(a.q_start, a.num_seqs, row);
   n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
@@ -379,8 +379,8 @@ __global__ void attn_combine_kernel(const RowsArgs a, int D, int granule) {
   const int chunk = split_chunk(a, row, granule, s, n_keys);  // metadata: read before grid_wait
   const int splits = min(a.nsplit, (n_keys + chunk - 1) / chunk);
   grid_wait();
-  const float* ml = split_ml(a, row, h, 0, D);   // split s: (max, sum) at ml[2 s]
-  const float* po = split_out(a, row, h, 0, D);  // split s: po[s D ..]
+  const float* ml = split_ml(a, row, h, 0, D);   // split i: (max, sum) at ml[2 i]
+  const float* po = split_out(a, row, h, 0, D);  // split i: po[i D ..]
   float M = -INFINITY;
   for (int i = 0; i < splits; ++i) M = fmaxf(M, ml[2 * i]);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -866,7 +866,9 @@ __global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const De
   // k_stop ends before it) was written by an earlier step.
   const bool early = k0 < k_stop && (FUSED || min(k0 + kDecKeys, k_stop) < n_keys);
   if constexpr (WPR == kDecWarps) {
-    if (k_begin >= k_end && a.nsplit > 1) return;  // a split without keys: nothing to write (the combine skips it)
+    // A split without keys: nothing to write (the combine skips it). It leaves before grid_wait; the grid still
+    // waits through the splits with keys, which every batch the model runs has (a row has >= 1 key).
+    if (k_begin >= k_end && a.nsplit > 1) return;
   }
   if (early) load_step(k0, kv, vv);
   grid_wait();
