@@ -46,14 +46,32 @@ void check_f32(const Tensor& t, const char* op) {
   QRT_CHECK(t.dtype == DType::F32, "cpu ", op, ": activations must be float32, got ", dtype_name(t.dtype));
 }
 
-void rms_row(const float* x, int64_t n, const Tensor& w, float eps, bool zc, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
-    const float wi = load_f32(w, 0, i);
-    out[i] = x[i] * inv * (zc ? 1.0f + wi : wi);
+// A norm's gains as fp32 (1 + w when zero-centred), converted once per call.
+std::vector<float> norm_gains(const Tensor& w, bool zc) {
+  std::vector<float> g(size_t(w.cols));
+  load_row_f32(w, 0, g.data());
+  if (zc)
+    for (float& v : g) v = 1.0f + v;
+  return g;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * g. The squares are summed in 16 lanes, then the lanes in order, then the
+// elements past the last 16 (the same order for every row).
+void rms_row(const float* x, int64_t n, const float* g, float eps, float* out) {
+  v16f acc{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16f v;
+    std::memcpy(&v, x + i, 64);
+    acc += v * v;
   }
+  float lanes[16];
+  std::memcpy(lanes, &acc, 64);
+  float ss = 0.f;
+  for (float l : lanes) ss += l;
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = x[i] * inv * g[i];
 }
 
 }  // namespace
@@ -135,24 +153,27 @@ class CpuBackend final : public Backend {
   }
   void rms_norm(const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
     check_f32(x, "rms_norm");
-    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) { rms_row(row(x, r), x.cols, w, eps, zc, row(out, r)); });
+    const std::vector<float> g = norm_gains(w, zc);
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) { rms_row(row(x, r), x.cols, g.data(), eps, row(out, r)); });
   }
   void add_rms_norm(Tensor& res, const Tensor& x, const Tensor& w, float eps, bool zc, Tensor& out) override {
     check_f32(x, "add_rms_norm");
+    const std::vector<float> g = norm_gains(w, zc);
     pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
       float* rr = row(res, r);
       const float* xr = row(x, r);
       for (int64_t i = 0; i < x.cols; ++i) rr[i] += xr[i];
-      rms_row(rr, x.cols, w, eps, zc, row(out, r));
+      rms_row(rr, x.cols, g.data(), eps, row(out, r));
     });
   }
   void head_rms_norm(Tensor& x, int hd, const Tensor& w, float eps, bool zc) override {
     check_f32(x, "head_rms_norm");
     const int64_t heads = x.cols / hd;
+    const std::vector<float> g = norm_gains(w, zc);
     pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
       for (int64_t h = 0; h < heads; ++h) {
         float* p = row(x, r) + h * hd;
-        rms_row(p, hd, w, eps, zc, p);
+        rms_row(p, hd, g.data(), eps, p);
       }
     });
   }
