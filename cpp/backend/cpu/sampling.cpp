@@ -21,12 +21,24 @@ struct RowStats {
 
 RowStats row_stats(const float* raw, int64_t V) {
   RowStats st{-INFINITY, 0, 0.f};
-  for (int64_t i = 0; i < V; ++i)
-    if (raw[i] > st.max) {
-      st.max = raw[i];
-      st.argmax = int32_t(i);
-    }
+  // The maximum in 16 lanes (NaN is never greater, as in a scalar scan), then its first position.
   const int64_t vv = V / 16 * 16;
+  v16f mx = v16f{} - INFINITY;
+  for (int64_t i = 0; i < vv; i += 16) {
+    v16f x;
+    std::memcpy(&x, raw + i, 64);
+    mx = x > mx ? x : mx;
+  }
+  float lanes_mx[16];
+  std::memcpy(lanes_mx, &mx, 64);
+  for (float l : lanes_mx) st.max = l > st.max ? l : st.max;
+  for (int64_t i = vv; i < V; ++i) st.max = raw[i] > st.max ? raw[i] : st.max;
+  if (st.max > -INFINITY)
+    for (int64_t i = 0; i < V; ++i)
+      if (raw[i] == st.max) {
+        st.argmax = int32_t(i);
+        break;
+      }
   v16f acc{};
   for (int64_t i = 0; i < vv; i += 16) {
     v16f x;
