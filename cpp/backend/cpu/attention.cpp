@@ -32,11 +32,7 @@ inline float dot(const float* a, const float* b, int n) {
 #if defined(__AVX512F__)
   float s = _mm512_reduce_add_ps(reinterpret_cast<__m512>(acc));
 #else
-  float lanes[16];
-  std::memcpy(lanes, &acc, 64);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  float s = lanes[0];
+  float s = lane_sum(acc);
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;

@@ -55,8 +55,8 @@ std::vector<float> norm_gains(const Tensor& w, bool zc) {
   return g;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * g. The squares are summed in 16 lanes, then the lanes in order, then the
-// elements past the last 16 (the same order for every row).
+// out = x * rsqrt(mean(x^2) + eps) * g. The squares are summed in 16 lanes, then lane_sum, then the elements
+// past the last 16 (the same order for every row).
 void rms_row(const float* x, int64_t n, const float* g, float eps, float* out) {
   v16f acc{};
   int64_t i = 0;
@@ -65,10 +65,7 @@ void rms_row(const float* x, int64_t n, const float* g, float eps, float* out) {
     std::memcpy(&v, x + i, 64);
     acc += v * v;
   }
-  float lanes[16];
-  std::memcpy(lanes, &acc, 64);
-  float ss = 0.f;
-  for (float l : lanes) ss += l;
+  float ss = lane_sum(acc);
   for (; i < n; ++i) ss += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
   for (i = 0; i < n; ++i) out[i] = x[i] * inv * g[i];

@@ -13,6 +13,15 @@ namespace qrt::cpu {
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// The 16 lanes of v added pairwise in a fixed order (lane i + w onto lane i, w = 8, 4, 2, 1).
+inline float lane_sum(v16f v) {
+  float a[16];
+  std::memcpy(a, &v, 64);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
 // exp(x) for x <= 0 in 16 lanes: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2, a degree-6 polynomial
 // (relative error ~2e-7). Deterministic on every machine, vectorized without -ffast-math.
 inline v16f exp16(v16f x) {

@@ -88,14 +88,6 @@ template <> inline float load_w1<DType::F32>(const void* b, int64_t i) { return 
 template <> inline float load_w1<DType::BF16>(const void* b, int64_t i) { return bf16_to_f32(static_cast<const uint16_t*>(b)[i]); }
 template <> inline float load_w1<DType::F16>(const void* b, int64_t i) { return f16_to_f32(static_cast<const uint16_t*>(b)[i]); }
 
-inline float lane_sum(v16f v) {
-  float a[16];
-  std::memcpy(a, &v, 64);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] += a[i + w];
-  return a[0];
-}
-
 // One tile: rows m0..m0+mr of x against rows n0..n0+nr of w.
 template <DType WT, int mr, int nr>
 void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
