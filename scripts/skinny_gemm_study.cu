@@ -10,6 +10,9 @@
 //             fragments by ldmatrix, each warp its own eighth of K
 //   coop      tensor cores, the block's warps stream one tile's rows front to back together (512-byte
 //             copies), each warp multiplies its k-steps of every stage
+// `/tmp/skinny lt-algos` instead times, per shape and M in {32, 64, 128}, every algorithm cuBLASLt's heuristic
+// offers (up to 12) and the first one forced to split-K 2/3/4, over the 36 layers' distinct weights, with
+// each algorithm's tile, split-K, stages and waves.
 //   nvcc -O3 -arch=sm_90 -std=c++17 scripts/skinny_gemm_study.cu -lcublasLt -o /tmp/skinny && /tmp/skinny
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -19,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                \
@@ -430,7 +434,8 @@ void launch(Kernel k, int grid, size_t smem, cudaStream_t s, Args... args) {
   CK(cudaLaunchKernelEx(&cfg, k, args...));
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool lt_algos = argc > 1 && std::string(argv[1]) == "lt-algos";
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int L = 36;
@@ -441,10 +446,10 @@ int main() {
   const double bytes = double(elems) * 2;
   bf16 *w = nullptr, *x = nullptr, *o = nullptr;
   CK(cudaMalloc(&w, elems * 2));
-  CK(cudaMalloc(&x, size_t(16) * 12288 * 2));
-  CK(cudaMalloc(&o, size_t(16) * 24576 * 2));
+  CK(cudaMalloc(&x, size_t(128) * 12288 * 2));
+  CK(cudaMalloc(&o, size_t(128) * 24576 * 2));
   fill<<<1024, 256>>>(w, elems, 1u);
-  fill<<<64, 256>>>(x, size_t(16) * 12288, 7u);
+  fill<<<64, 256>>>(x, size_t(128) * 12288, 7u);
   float* dev = nullptr;
   CK(cudaMalloc(&dev, 64));
   cudaStream_t st;
@@ -541,6 +546,60 @@ int main() {
     return p;
   };
 
+  if (lt_algos) {
+    cublasLtMatmulPreference_t pref;
+    LK(cublasLtMatmulPreferenceCreate(&pref));
+    LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+    size_t off[4] = {};
+    for (int i = 1; i < 4; ++i) off[i] = off[i - 1] + size_t(layer[i - 1].N) * layer[i - 1].K;
+    for (int M : {32, 64, 128})
+      for (int si = 0; si < 4; ++si) {
+        const Shape s = layer[si];
+        Plan p = plan(s.N, s.K, M);
+        cublasLtMatmulHeuristicResult_t res[12];
+        int found = 0;
+        LK(cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, 12, res, &found));
+        std::vector<cublasLtMatmulAlgo_t> algos;
+        for (int i = 0; i < found; ++i) algos.push_back(res[i].algo);
+        for (int split : {2, 3, 4})  // the first algorithm forced to split-K
+          for (uint32_t scheme : {uint32_t(CUBLASLT_REDUCTION_SCHEME_INPLACE),
+                                  uint32_t(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)}) {
+            cublasLtMatmulAlgo_t a = res[0].algo;
+            const int32_t sk = split;
+            cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &sk, sizeof(sk));
+            cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme));
+            cublasLtMatmulHeuristicResult_t chk{};
+            if (cublasLtMatmulAlgoCheck(lt, p.op, p.a, p.b, p.c, p.c, &a, &chk) == CUBLAS_STATUS_SUCCESS &&
+                chk.workspaceSize <= ws_bytes)
+              algos.push_back(a);
+          }
+        const double sbytes = double(L) * s.N * s.K * 2;
+        for (size_t ai = 0; ai < algos.size(); ++ai) {
+          const cublasLtMatmulAlgo_t& a = algos[ai];
+          int32_t tile = 0, split = 0, stages = 0, swz = 0, cluster = 0;
+          uint32_t scheme = 0;
+          size_t n = 0;
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &n);
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof(split), &n);
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &n);
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof(swz), &n);
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &n);
+          cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme), &n);
+          const float ms = time_graph([&] {
+            for (int l = 0; l < L; ++l) {
+              const float alpha = 1.f, beta = 0.f;
+              LK(cublasLtMatmul(lt, p.op, &alpha, w + off[si] + size_t(l) * per_layer, p.a, x, p.b, &beta, o, p.c, o,
+                                p.c, &a, ws, ws_bytes, st));
+            }
+          });
+          std::printf("M=%-3d N=%-5d K=%-5d %s%-2zu tile %3d split %d scheme %u stages %3d swizzle %d cluster %2d "
+                      "waves %.2f  %7.2f us  %5.2f TB/s\n",
+                      M, s.N, s.K, ai < size_t(found) ? "h" : "s", ai, tile, split, scheme, stages, swz, cluster,
+                      ai < size_t(found) ? res[ai].wavesCount : 0.f, ms * 1e3 / L, sbytes / (ms * 1e-3) / 1e12);
+        }
+      }
+    return 0;
+  }
   for (int M : {2, 4, 8, 16}) {
     std::vector<Plan> plans;
     for (const Shape& s : layer) plans.push_back(plan(s.N, s.K, M));
