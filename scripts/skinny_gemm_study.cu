@@ -10,10 +10,12 @@
 //             fragments by ldmatrix, each warp its own eighth of K
 //   coop      tensor cores, the block's warps stream one tile's rows front to back together (512-byte
 //             copies), each warp multiplies its k-steps of every stage
+// `/tmp/skinny skinny` times cuBLASLt against the runtime's skinny GEMM (cpp/backend/cuda/skinny_gemm.cuh) at
+// M = 16, 32, 64, alternated, after checking the latter's products.
 // `/tmp/skinny lt-algos` instead times, per shape and M in {32, 64, 128}, every algorithm cuBLASLt's heuristic
 // offers (up to 12) and the first one forced to split-K 2/3/4, over the 36 layers' distinct weights, with
 // each algorithm's tile, split-K, stages and waves.
-//   nvcc -O3 -arch=sm_90 -std=c++17 scripts/skinny_gemm_study.cu -lcublasLt -o /tmp/skinny && /tmp/skinny
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Icpp scripts/skinny_gemm_study.cu -lcublasLt -o /tmp/skinny && /tmp/skinny
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -24,6 +26,8 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+
+#include "backend/cuda/skinny_gemm.cuh"
 
 #define CK(x)                                                                \
   do {                                                                       \
@@ -435,7 +439,8 @@ void launch(Kernel k, int grid, size_t smem, cudaStream_t s, Args... args) {
 }
 
 int main(int argc, char** argv) {
-  const bool lt_algos = argc > 1 && std::string(argv[1]) == "lt-algos";
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool lt_algos = mode == "lt-algos";
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int L = 36;
@@ -598,6 +603,71 @@ int main(int argc, char** argv) {
                       ai < size_t(found) ? res[ai].wavesCount : 0.f, ms * 1e3 / L, sbytes / (ms * 1e-3) / 1e12);
         }
       }
+    return 0;
+  }
+  if (mode == "skinny") {
+    namespace sk = qrt::cuda::skinny;
+    float* part = nullptr;
+    int* arrivals = nullptr;
+    CK(cudaMalloc(&part, size_t(16) << 20 << 2));
+    CK(cudaMalloc(&arrivals, 4096 * 4));
+    CK(cudaMemset(arrivals, 0, 4096 * 4));
+    for (int nt : {1, 2, 4}) {
+      auto set_smem = [&](auto kernel) {
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+      };
+      if (nt == 1) set_smem(sk::skinny_gemm_kernel<bf16, 1>);
+      if (nt == 2) set_smem(sk::skinny_gemm_kernel<bf16, 2>);
+      if (nt == 4) set_smem(sk::skinny_gemm_kernel<bf16, 4>);
+    }
+    for (const Shape& s : layer) {
+      const sk::Plan p = sk::make_plan(s.N, s.K, sms);
+      std::printf("plan N=%d K=%d: slice %d, slices %d, tiles %d, blocks %d, smem %zu (M=64)\n", s.N, s.K, p.ks,
+                  p.slices, p.tiles, p.blocks, sk::smem_bytes(p, 4));
+    }
+    for (int M : {9, 20, 45, 16, 32, 64}) {
+      std::vector<Plan> plans;
+      for (const Shape& s : layer) plans.push_back(plan(s.N, s.K, M));
+      auto lt_one = [&](const bf16* wp, int N, int K) {
+        int i = 0;
+        while (layer[i].N != N || layer[i].K != K) ++i;
+        const float alpha = 1.f, beta = 0.f;
+        LK(cublasLtMatmul(lt, plans[i].op, &alpha, wp, plans[i].a, x, plans[i].b, &beta, o, plans[i].c, o,
+                          plans[i].c, &plans[i].algo, ws, ws_bytes, st));
+      };
+      auto sk_one = [&](const bf16* wp, int N, int K) {
+        sk::Args<bf16> a{x, K, M, wp, K, N, K, o, N, part, arrivals, sk::make_plan(N, K, sms), 1e-6f, false, false};
+        const int nt = sk::tiles_per_group(M);
+        const size_t sm = sk::smem_bytes(a.plan, nt);
+        if (nt == 1) launch(sk::skinny_gemm_kernel<bf16, 1>, a.plan.blocks, sm, st, a);
+        if (nt == 2) launch(sk::skinny_gemm_kernel<bf16, 2>, a.plan.blocks, sm, st, a);
+        if (nt == 4) launch(sk::skinny_gemm_kernel<bf16, 4>, a.plan.blocks, sm, st, a);
+      };
+      check("skinny", M, sk_one);
+      std::printf("checked skinny M=%d\n", M);
+      if (M % 16) continue;
+      check("lt", M, lt_one);
+      for (int r = 0; r < 2; ++r) {
+        report("lt (cuBLASLt heuristic)", M, run_step(lt_one));
+        report("skinny", M, run_step(sk_one));
+      }
+      // Per shape, 36 layers each.
+      for (int si = 0; si < 4; ++si) {
+        size_t off = 0;
+        for (int i = 0; i < si; ++i) off += size_t(layer[i].N) * layer[i].K;
+        const Shape s = layer[si];
+        for (int v = 0; v < 2; ++v) {
+          const float ms = time_graph([&] {
+            for (int l = 0; l < L; ++l) {
+              if (v) sk_one(w + off + size_t(l) * per_layer, s.N, s.K);
+              else lt_one(w + off + size_t(l) * per_layer, s.N, s.K);
+            }
+          });
+          std::printf("  M=%d N=%d K=%d %-7s %7.2f us %5.2f TB/s\n", M, s.N, s.K, v ? "skinny" : "lt", ms * 1e3 / L,
+                      double(L) * s.N * s.K * 2 / (ms * 1e-3) / 1e12);
+        }
+      }
+    }
     return 0;
   }
   for (int M : {2, 4, 8, 16}) {
