@@ -614,7 +614,7 @@ int main(int argc, char** argv) {
     CK(cudaMemset(arrivals, 0, 4096 * 4));
     for (int nt : {1, 2, 4}) {
       auto set_smem = [&](auto kernel) {
-        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
       };
       if (nt == 1) set_smem(sk::skinny_gemm_kernel<bf16, 1>);
       if (nt == 2) set_smem(sk::skinny_gemm_kernel<bf16, 2>);
