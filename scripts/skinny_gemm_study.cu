@@ -10,12 +10,12 @@
 //             fragments by ldmatrix, each warp its own eighth of K
 //   coop      tensor cores, the block's warps stream one tile's rows front to back together (512-byte
 //             copies), each warp multiplies its k-steps of every stage
-// `/tmp/skinny skinny` times cuBLASLt against the runtime's skinny GEMM (cpp/backend/cuda/skinny_gemm.cuh) at
+// `/tmp/skinny skinny` times cuBLASLt against the K-split skinny GEMM of skinny_gemm_ksplit.cuh at
 // M = 16, 32, 64, alternated, after checking the latter's products.
 // `/tmp/skinny lt-algos` instead times, per shape and M in {32, 64, 128}, every algorithm cuBLASLt's heuristic
 // offers (up to 12) and the first one forced to split-K 2/3/4, over the 36 layers' distinct weights, with
 // each algorithm's tile, split-K, stages and waves.
-//   nvcc -O3 -arch=sm_90 -std=c++17 -Icpp scripts/skinny_gemm_study.cu -lcublasLt -o /tmp/skinny && /tmp/skinny
+//   nvcc -O3 -arch=sm_90 -std=c++17 scripts/skinny_gemm_study.cu -lcublasLt -o /tmp/skinny && /tmp/skinny
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/skinny_gemm.cuh"
+#include "skinny_gemm_ksplit.cuh"
 
 #define CK(x)                                                                \
   do {                                                                       \
@@ -643,7 +643,9 @@ int main(int argc, char** argv) {
         if (nt == 2) launch(sk::skinny_gemm_kernel<bf16, 2>, a.plan.blocks, sm, st, a);
         if (nt == 4) launch(sk::skinny_gemm_kernel<bf16, 4>, a.plan.blocks, sm, st, a);
       };
+#ifndef SKINNY_NO_REDUCE
       check("skinny", M, sk_one);
+#endif
       std::printf("checked skinny M=%d\n", M);
       if (M % 16) continue;
       check("lt", M, lt_one);

@@ -1,7 +1,8 @@
 // Skinny GEMM on tensor cores for decode steps of 9..64 rows: out[m, n] = x[m, :] . w[n, :], 16-bit x and
 // w of one dtype, fp32 accumulation, optionally with a folded RMSNorm (the rows scaled by 1/rms(x[m]) at the
-// end, the norm's gain already in w) and optionally added into out. Self-contained (CUDA headers only) so
-// that scripts/skinny_gemm_study.cu can time it against cuBLASLt.
+// end, the norm's gain already in w) and optionally added into out. A study (scripts/skinny_gemm_study.cu
+// times it against cuBLASLt), not in the runtime: it computes right but ran at half of cuBLASLt's speed at
+// 16-64 rows (docs/runs/2026-12-04-h200.md, session 12).
 //
 // Layout. w is cut into tiles of 128 rows and K into slices of `ks` columns (the plan, a function of N, K
 // and the SM count only, so a row's arithmetic does not depend on M). A persistent grid of one block per SM
@@ -25,7 +26,10 @@ namespace qrt::cuda::skinny {
 constexpr int kThreads = 256;   // 8 warps: 4 row groups of 32 weight rows x 2 token groups
 constexpr int kTileRows = 128;  // weight rows per tile
 constexpr int kStageK = 64;     // columns per ring stage (one 128-byte line per row)
-constexpr int kStages = 5;      // ring depth
+#ifndef SKINNY_STAGES
+#define SKINNY_STAGES 5
+#endif
+constexpr int kStages = SKINNY_STAGES;  // ring depth
 constexpr int kMaxRows = 64;    // x rows
 constexpr int kStageBytes = kTileRows * kStageK * 2;
 
@@ -238,6 +242,14 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_gemm_kernel(const Args<T> 
       }
     }
     if (q % spt != spt - 1) continue;
+#ifdef SKINNY_NO_REDUCE  // study of the streaming loop alone: the partial sums are dropped
+    if (acc[0][0][0] == 1234.5f) a.out[0] = from_f32<T>(acc[1][NT - 1][3]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    continue;
+#endif
     // The tile's slice is done: its partial sums to the workspace, then the arrival.
     const int tile = first_tile + (q / spt) * blocks_here;
     float* part = a.partial + size_t(slice) * a.M * a.N;
@@ -258,9 +270,11 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_gemm_kernel(const Args<T> 
       }
     if (a.norm && (tid & 3) == 0 && (tid >> 2) < a.M)
       sums_sq[(size_t(slice) * p.tiles + tile) * a.M + (tid >> 2)] = sumsq;
-    __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(a.arrivals + tile, 1) == p.slices - 1;
+    if (tid == 0) {
+      __threadfence();  // the block's stores (ordered before by the barrier) before the arrival
+      last = atomicAdd(a.arrivals + tile, 1) == p.slices - 1;
+    }
     __syncthreads();
     if (!last) continue;
     __threadfence();
@@ -274,20 +288,49 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_gemm_kernel(const Args<T> 
       row_scale[tid] = sc;
     }
     __syncthreads();
-    for (int e = tid; e < a.M * (kTileRows / 2); e += kThreads) {  // two columns per thread
-      const int m = e / (kTileRows / 2), n = tile * kTileRows + 2 * (e % (kTileRows / 2));
-      float2 s = make_float2(0.f, 0.f);
-      for (int j = 0; j < p.slices; ++j) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(a.partial + (size_t(j) * a.M + m) * a.N + n));
-        s.x += v.x;
-        s.y += v.y;
-      }
-      s.x *= row_scale[m];
-      s.y *= row_scale[m];
+    // Thread tid sums groups of 4 columns e = tid + 256 i (row e / 32), slices in order, four slices' loads
+    // in flight at a time.
+    constexpr int kGroups = kMaxRows * kTileRows / 4 / kThreads;
+    const int groups = a.M * (kTileRows / 4);
+    float4 sum[kGroups];
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) sum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto at = [&](int j, int e) {
+      return reinterpret_cast<const float4*>(a.partial + (size_t(j) * a.M + e / 32) * a.N + tile * kTileRows +
+                                             4 * (e % 32));
+    };
+    for (int j0 = 0; j0 < p.slices; j0 += 4) {
+      float4 v[4][kGroups];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int i = 0; i < kGroups; ++i) {
+          const int e = tid + kThreads * i;
+          v[u][i] = j0 + u < p.slices && e < groups ? __ldcg(at(j0 + u, e)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int i = 0; i < kGroups; ++i) {
+          sum[i].x += v[u][i].x;
+          sum[i].y += v[u][i].y;
+          sum[i].z += v[u][i].z;
+          sum[i].w += v[u][i].w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) {
+      const int e = tid + kThreads * i;
+      if (e >= groups) break;
+      const int m = e / 32, n = tile * kTileRows + 4 * (e % 32);
+      const float sc = row_scale[m];
+      float r[4] = {sum[i].x * sc, sum[i].y * sc, sum[i].z * sc, sum[i].w * sc};
       T* o = a.out + size_t(m) * a.ldo + n;
-      if (a.add) s.x += f32(o[0]), s.y += f32(o[1]);
-      o[0] = from_f32<T>(s.x);
-      o[1] = from_f32<T>(s.y);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (a.add) r[c] += f32(o[c]);
+        o[c] = from_f32<T>(r[c]);
+      }
     }
     if (tid == 0) a.arrivals[tile] = 0;
     __syncthreads();  // row_scale and `last` are rewritten at the next tile
