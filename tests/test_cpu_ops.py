@@ -327,6 +327,27 @@ def test_attention(h, qh, kvh, hd, ps):
         close(out, ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("qh,kvh,hd", [(4, 2, 24), (8, 2, 64), (2, 1, 128)])
+def test_attention_16bit_cache(h, kv_dtype, qh, kvh, hd):
+    """A bf16/fp16 KV cache (the CPU's cache for 16-bit weights): the step's K/V rows are rounded into it,
+    and the output is exactly that of the fp32 cache holding the same rounded values."""
+    rng = np.random.default_rng(13)
+    ps = 16
+    scale = 1.0 / math.sqrt(hd)
+    for seqs in ATTN_SEQS:
+        case = make_attn_case(rng, seqs, ps, qh, kvh, hd)
+        q, k, v, kc, vc, q_start, ctx, pt, kv_rows = case
+        r32 = [rounded(a, kv_dtype).astype(np.float32) for a in (k, v, kc, vc)]
+        out, kc_out, vc_out = h.attention(q, k, v, r32[2], r32[3], q_start, ctx, pt, kv_rows, ps, qh, kvh, hd,
+                                          scale, kv_dtype=kv_dtype)
+        out32, kc32, vc32 = h.attention(q, *r32, q_start, ctx, pt, kv_rows, ps, qh, kvh, hd, scale)
+        assert np.array_equal(kc_out, kc32) and np.array_equal(vc_out, vc32)
+        assert np.array_equal(out, out32)
+        ref, _, _ = ref_attention(q, *r32, q_start, ctx, pt, kv_rows, ps, qh, kvh, hd, scale)
+        close(out, ref, atol=2e-5)
+
+
 def test_attention_reference_is_transformers():
     """One sequence through the reference equals transformers' eager attention (guards the test)."""
     from transformers.models.qwen3.modeling_qwen3 import repeat_kv

@@ -105,7 +105,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;   // "cpu" or "cuda:N"
-  virtual DType act_dtype() const = 0;    // dtype of activations and of the KV cache
+  virtual DType act_dtype() const = 0;    // dtype of activations
+  virtual DType kv_dtype() const { return act_dtype(); }  // dtype of the KV cache
   // Attention head sizes the backend's kernels take.
   virtual bool supports_head_dim(int head_dim) const { return head_dim > 0; }
 
@@ -251,7 +252,8 @@ class Backend {
   uint64_t started_ = 0, finished_ = 0;
 };
 
-std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+// kv_dtype: F32, or BF16 / F16 (16-bit weights: half the KV bytes; attention reads them as fp32).
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, DType kv_dtype = DType::F32);
 // Cores this process may run on (its CPU affinity): the CPU backends' default thread count.
 int cpu_cores();
 // Loads the CUDA backend plugin; throws std::runtime_error with the reason if it cannot.

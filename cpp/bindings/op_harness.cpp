@@ -228,18 +228,21 @@ void bind_op_harness(nb::module_& m) {
            })
       .def("attention",
            [](OpHarness& h, F32In q, F32In k, F32In v, F32In kc, F32In vc, I32In q_start, I32In ctx_len,
-              I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale) {
+              I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale,
+              const std::string& kv_dtype) {
+             const DType kvt = kv_dtype.empty() ? h.act() : parse_dtype(kv_dtype);
              Dev qd = h.up(q, h.act()), kd = h.up(k, h.act()), vd = h.up(v, h.act());
-             Dev kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
+             Dev kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, qd.t.rows);
              const AttnBatch& b = batch.b;
-             KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
+             KvLayer cache{kcd.t.data, vcd.t.data, kvt};
              h.be().write_kv(kd.t, vd.t, b, cache);
              Dev o = h.empty(qd.t.rows, qd.t.cols, h.act());
              AttnShape sh{hq, hkv, hd, scale};
              h.be().attention(qd.t, cache, b, sh, o.t);
              return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
-           })
+           }, "q"_a, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
+           "page_size"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "kv_dtype"_a = "")
       .def("finish_qkv",
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In kv_rows, I32In positions, F32In cs, int hq, int hkv,
               int hd, std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {

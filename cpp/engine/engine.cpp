@@ -173,9 +173,12 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   for (int r = 1; r < n; ++r) workers.push_back(std::make_unique<RankWorker>());
   // Backends, each created on its rank's thread.
   const int cores = opt.num_threads > 0 ? opt.num_threads : cpu_cores();
+  // The CPU keeps 16-bit weights' K/V in their dtype (as transformers does), others in fp32.
+  const DType cpu_kv = wdt == DType::BF16 || wdt == DType::F16 ? wdt : DType::F32;
   on_ranks([&](int r, Rank& rk) {
-    rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n));
+    rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n), cpu_kv);
   });
+  const DType kvdt = ranks[0].be->kv_dtype();
   // Communicators.
   QRT_CHECK_ARG(opt.comm == "auto" || (opt.comm == "nccl" && cuda), "comm must be 'auto', or 'nccl' on CUDA, got '",
                 opt.comm, "'");
@@ -200,7 +203,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
   });
   // KV pool: the same number of pages on every rank.
-  const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), adt);
+  const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), kvdt);
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -225,7 +228,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), adt);
+    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), kvdt);
     rk.be->synchronize();
   });
   SchedulerOptions so;

@@ -75,9 +75,13 @@ void rms_row(const float* x, int64_t n, const float* g, float eps, float* out) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) : pool_(threads > 0 ? threads : available_cores()) {}
+  CpuBackend(int threads, DType kv_dtype) : pool_(threads > 0 ? threads : available_cores()), kv_dtype_(kv_dtype) {
+    QRT_CHECK(kv_dtype == DType::F32 || kv_dtype == DType::BF16 || kv_dtype == DType::F16,
+              "cpu: KV cache of ", dtype_name(kv_dtype), " (float32, bfloat16 or float16)");
+  }
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::F32; }
+  DType kv_dtype() const override { return kv_dtype_; }
 
   void* alloc(size_t bytes) override {
     const size_t n = (bytes + 63) / 64 * 64;
@@ -212,11 +216,12 @@ class CpuBackend final : public Backend {
   }
   void write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b, KvLayer& cache) override {
     check_f32(k, "write_kv");
+    check_f32(v, "write_kv");
     const int64_t cols = k.cols;
+    Tensor kc(cache.k, cache.dtype, 0, cols), vc(cache.v, cache.dtype, 0, cols);  // rows by kv_rows
     for (int64_t r = 0; r < k.rows; ++r) {
-      const int64_t dst = int64_t(b.kv_rows[r]) * cols;
-      std::memcpy(static_cast<float*>(cache.k) + dst, row(k, r), cols * 4);
-      std::memcpy(static_cast<float*>(cache.v) + dst, row(v, r), cols * 4);
+      store_row_f32(row(k, r), kc, b.kv_rows[r]);
+      store_row_f32(row(v, r), vc, b.kv_rows[r]);
     }
   }
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
@@ -247,6 +252,7 @@ class CpuBackend final : public Backend {
 
  private:
   ThreadPool pool_;
+  const DType kv_dtype_;
   std::mutex mapped_mu_;
   std::unordered_map<void*, size_t> mapped_;  // alloc_zeroed's blocks from mmap, by address
 };
@@ -255,8 +261,8 @@ class CpuBackend final : public Backend {
 
 int cpu_cores() { return cpu::available_cores(); }
 
-std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
-  return std::make_unique<cpu::CpuBackend>(num_threads);
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, DType kv_dtype) {
+  return std::make_unique<cpu::CpuBackend>(num_threads, kv_dtype);
 }
 
 }  // namespace qrt
