@@ -336,6 +336,18 @@ def test_bf16_weights_close_to_fp32(build, fresh_gen, name):
         assert abs(lp - ref[tok]) < 0.1, (tok, lp, ref[tok])
 
 
+def test_cpu_kv_cache_in_bf16_for_bf16_weights(build, fresh_gen):
+    """bf16 weights on the CPU keep K/V in bf16: the same kv_cache_memory holds twice the pages of fp32."""
+    folder = build("qwen3_gqa2_tied")
+    budget = 1 << 20
+    pages = {}
+    for dtype in ("float32", "bfloat16"):
+        s = fresh_gen(folder, dtype=dtype, kv_cache_memory=budget).stats()
+        pages[dtype] = s["total_pages"]
+        assert s["kv_bytes"] <= budget
+    assert pages["bfloat16"] == 2 * pages["float32"], pages
+
+
 def test_cpu_kv_pool_is_committed_only_when_used(build, fresh_gen):
     """A CPU KV pool sized for long contexts costs no start-up memory: its pages are taken when written."""
     import os
