@@ -1093,17 +1093,12 @@ int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
 }
 
 // Splits for the decode kernel (4 warps per row only): enough blocks for two per SM, each split at least
-// QWEN_RT_DECODE_SPLIT_KEYS keys (a multiple of the granule; default 64: one granule).
+// a granule of keys.
 int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
-  static const int split_keys = [] {
-    const char* e = std::getenv("QWEN_RT_DECODE_SPLIT_KEYS");
-    const int v = e ? std::atoi(e) : 0;
-    return v > 0 ? (v + kDecGranule - 1) / kDecGranule * kDecGranule : kDecGranule;
-  }();
   const int64_t base = int64_t(b.num_tokens) * sh.kv_heads;
   if (base <= 0 || decode_warps_per_row(b, sh, num_sms) != kDecWarps) return 1;
   int64_t n = (int64_t(2) * num_sms + base - 1) / base;
-  n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + split_keys - 1) / split_keys);
+  n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + kDecGranule - 1) / kDecGranule);
   n = std::min<int64_t>(n, kMaxSplits);
   return int(std::max<int64_t>(n, 1));
 }
