@@ -322,14 +322,15 @@ def test_dummy_weights(build):
     assert len({t for toks in results[0] for t in toks}) > 1
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen2_bias_gqa2_tied"])
-def test_bf16_weights_close_to_fp32(build, fresh_gen, name):
-    """dtype="bfloat16" on the CPU (bf16 weights, bf16 products, fp32 accumulation): logprobs of the
-    first token stay close to transformers' fp32 ones."""
+def test_16bit_weights_close_to_fp32(build, fresh_gen, name, dtype):
+    """dtype="bfloat16" / "float16" on the CPU (16-bit weights and KV cache, fp32 accumulation): logprobs of
+    the first token after a 24-token prompt stay close to transformers' fp32 ones."""
     folder = build(name)
     p = M.pick_prompts(folder, seed=17, lengths=[24], max_new=1)[0]
-    c = fresh_gen(folder, dtype="bfloat16").generate([p], max_tokens=1, logprobs=5, temperature=0.0,
-                                                     ignore_eos=True)[0]
+    c = fresh_gen(folder, dtype=dtype).generate([p], max_tokens=1, logprobs=5, temperature=0.0,
+                                                ignore_eos=True)[0]
     ref = M.log_softmax(M.hf_logits(str(folder), p))
     assert len(c.logprobs[0]) >= 5
     for tok, lp in c.logprobs[0].items():
