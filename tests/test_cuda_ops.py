@@ -261,7 +261,7 @@ LINEAR_SHAPES = [(1, 5, 8), (3, 64, 64), (17, 1000, 333), (257, 64, 1024), (1, 4
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_linear_same_dtype(cpu, act, m, n, k, bias, gemv_rows, monkeypatch):
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 131 + n * 7 + k + bias)
@@ -277,7 +277,7 @@ def test_linear_same_dtype(cpu, act, m, n, k, bias, gemv_rows, monkeypatch):
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (8, 1536, 1024), (9, 64, 256), (33, 24, 72)])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_linear_silu_mul(cpu, act, m, inter, k, gemv_rows, monkeypatch):
     """The MLP's gate|up projection with silu_mul: equal to CUDA linear then silu_mul (bit for bit: the
     decode GEMV fuses the two), and close to the CPU."""
@@ -296,7 +296,7 @@ def test_linear_silu_mul(cpu, act, m, inter, k, gemv_rows, monkeypatch):
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k", [(1, 5, 8), (3, 100, 512), (8, 1024, 4096), (17, 96, 333), (64, 256, 1024)])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_linear_add(cpu, act, m, n, k, gemv_rows, monkeypatch):
     """out += x @ w^T (the residual connection): equal to CUDA linear then add where the GEMV fuses them
     (the product rounded first), close to the CPU everywhere (cuBLASLt adds in fp32 before rounding)."""
@@ -323,7 +323,7 @@ NORM_LINEAR_SHAPES = [(1, 8, 64), (2, 100, 512), (5, 1024, 4096), (6, 300, 4096)
 @pytest.mark.parametrize("m,n,k", NORM_LINEAR_SHAPES)
 @pytest.mark.parametrize("bias,f32_out", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("gain", ["gain", "unit"])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain, gemv_rows, monkeypatch):
     """rms_norm then linear (with a unit gain, the norm runs inside the decode GEMV for the rows it takes):
     close to the CPU composition, and row 0 of m is the same as row 0 alone where the GEMV takes both."""
@@ -346,7 +346,7 @@ def test_norm_linear(cpu, act, m, n, k, bias, f32_out, gain, gemv_rows, monkeypa
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,inter,k", [(1, 8, 64), (3, 100, 512), (4, 1536, 4096), (8, 256, 4096), (9, 64, 256)])
 @pytest.mark.parametrize("gain", ["gain", "unit"])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain, gemv_rows, monkeypatch):
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     rng = np.random.default_rng(m * 11 + inter + k)
@@ -362,7 +362,7 @@ def test_norm_linear_silu_mul(cpu, act, m, inter, k, gain, gemv_rows, monkeypatc
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 @pytest.mark.parametrize("zc", [False, True])
-@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # the default, and the GEMV for up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["1", "8"])  # one row (the default from K = 4096), and up to 8
 def test_scale_columns_folds_a_norm_gain(cpu, act, zc, gemv_rows, monkeypatch):
     """scale_columns multiplies each column by its gain, rounded once to the weights' dtype; a norm with a
     unit gain in front of the scaled weights gives what the norm with the gain gives in front of the

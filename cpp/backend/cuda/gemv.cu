@@ -307,20 +307,22 @@ bool gemv_folds_norms() {
   return on;
 }
 
-// The most rows a GEMV takes; more go to cuBLASLt (with the norm and silu_mul as their own kernels). Default 1:
-// on the H200 that ran Qwen3-8B decode steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at
-// batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out:
-// docs/PERFORMANCE.md, session 8).
-// QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it; read at every call, so the op tests can set it.
-int gemv_max_rows() {
+// The most rows a GEMV takes for rows of K elements; more go to cuBLASLt (with the norm and silu_mul as their
+// own kernels). Rows of 4096 and more: 1. On the H200 cuBLASLt ran Qwen3-8B decode steps of batch 2 / 4 / 8 in
+// 4.78 / 5.32 / 5.04 ms, against 5.76 ms at batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a
+// tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Shorter rows: 4. Qwen3-0.6B (K 1024
+// to 3072), whose products are a few MB and whose step is kernel latency, ran batch 2 / 4 / 8 in 0.79-0.92 /
+// 1.14 / 2.0-2.3 ms with the GEMV against 1.16-1.18 / 1.25 / 1.22-1.50 with cuBLASLt (session 12).
+// QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it for every K; read at every call, so the op tests can set it.
+int gemv_max_rows(int64_t K) {
   const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
-  return e ? std::clamp(std::atoi(e), 0, 8) : 1;
+  return e ? std::clamp(std::atoi(e), 0, 8) : K < 4096 ? 4 : 1;
 }
 
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
                  const RmsNorm* norm, int num_sms, cudaStream_t s) {
   const bool sixteen = x.dtype == w.dtype && (x.dtype == DType::BF16 || x.dtype == DType::F16);
-  if (!sixteen || x.rows < 1 || x.rows > gemv_max_rows() || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
+  if (!sixteen || x.rows < 1 || x.rows > gemv_max_rows(w.cols) || w.cols % 8 != 0 || !aligned16(x.data, x.stride * 2) ||
       !aligned16(w.data, w.stride * 2))
     return false;
   switch (epi) {
