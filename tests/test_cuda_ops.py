@@ -414,6 +414,22 @@ def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n, monkeypatch):
             np.testing.assert_array_equal(part, full[:m], err_msg=f"{name}: {m} rows against {max_rows}")
 
 
+@pytest.mark.parametrize("k", [1024, 3072])
+def test_gemv_takes_up_to_4_short_rows_by_default(cpu, k, monkeypatch):
+    """Without QWEN_RT_GEMV_ROWS, rows of at most 3072 go to the GEMV up to 4 at a time: the fp32 results of
+    2..4 rows equal the one-row GEMV's bit for bit (cuBLASLt sums in another order), and are close to the CPU."""
+    monkeypatch.delenv("QWEN_RT_GEMV_ROWS", raising=False)
+    act = "bfloat16"
+    rng = np.random.default_rng(k)
+    x = rand(rng, (4, k), -1, 1, act)
+    w = round_to(rand(rng, (96, k), -1, 1, act) / math.sqrt(k), act)
+    h = harness(DEVICE, act)
+    one = np.concatenate([np.asarray(h.norm_linear(x[m:m + 1], None, 1e-6, w, None, True)) for m in range(4)])
+    assert rel(one, np.asarray(cpu.norm_linear(x, None, 1e-6, w, None, True))) < TOL[act]
+    for m in (2, 3, 4):
+        np.testing.assert_array_equal(np.asarray(h.norm_linear(x[:m], None, 1e-6, w, None, True)), one[:m])
+
+
 @pytest.mark.parametrize("w_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m,n,k", LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -49,13 +49,26 @@ struct Bf16Rows {
 struct F16Rows {
   using E = uint16_t;
 };
+// n elements as fp32: the row itself, or converted into buf (8 at a time with AVX2 / F16C).
 inline const float* as_f32(F32Rows, const float* p, int, float*) { return p; }
 inline const float* as_f32(Bf16Rows, const uint16_t* p, int n, float* buf) {
-  for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(p[i]);
+  int i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+    _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) buf[i] = bf16_to_f32(p[i]);
   return buf;
 }
 inline const float* as_f32(F16Rows, const uint16_t* p, int n, float* buf) {
-  for (int i = 0; i < n; ++i) buf[i] = f16_to_f32(p[i]);
+  int i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+  for (; i < n; ++i) buf[i] = f16_to_f32(p[i]);
   return buf;
 }
 

@@ -177,7 +177,7 @@ void launch_rms_norm(const Tensor* residual_in, const Tensor& x, const Tensor& w
 void launch_head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zc, cudaStream_t s);
 void launch_rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& tab, cudaStream_t s);
 void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
-// Few-row linear (M <= gemv_max_rows(K) in gemv.cu: 1, or 4 for K < 4096, by default; 16-bit x and w): out = x @ w^T
+// Few-row linear (M <= gemv_max_rows(K) in gemv.cu: 1, or 4 for K <= 3072, by default; 16-bit x and w): out = x @ w^T
 // (+ bias) stored, added to out (Add: linear_add), or, for SiluMul, out = silu(x . w[:N]^T) * (x . w[N:]^T)
 // with N = out.cols. With norm, the rows of x are RMS-normalized first, inside the kernel (norm_linear; only
 // a norm with unit_gain, and only when gemv_folds_norms()). Returns false (nothing launched) when the shapes,

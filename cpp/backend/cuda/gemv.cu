@@ -261,12 +261,15 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
-  // One row (the decode default), not gated: see UF.
-  const bool short_rows = EPI != GemvEpilogue::SiluMul && w.cols / 8 / kSplit < 4 * 32;
   switch (M) {
     case 1:
-      if (short_rows) go(gemv_kernel<T, O, 1, EPI, NORM, 2>);
-      else go(gemv_kernel<T, O, 1, EPI, NORM>);
+      if constexpr (EPI != GemvEpilogue::SiluMul) {  // one row, not gated, short: see UF
+        if (w.cols / 8 / kSplit < 4 * 32) {
+          go(gemv_kernel<T, O, 1, EPI, NORM, 2>);
+          break;
+        }
+      }
+      go(gemv_kernel<T, O, 1, EPI, NORM>);
       break;
     case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
     case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
@@ -308,15 +311,16 @@ bool gemv_folds_norms() {
 }
 
 // The most rows a GEMV takes for rows of K elements; more go to cuBLASLt (with the norm and silu_mul as their
-// own kernels). Rows of 4096 and more: 1. On the H200 cuBLASLt ran Qwen3-8B decode steps of batch 2 / 4 / 8 in
-// 4.78 / 5.32 / 5.04 ms, against 5.76 ms at batch 4 for this GEMV (and 5.03 / 5.55-5.67 / 5.91 for a
-// tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Shorter rows: 4. Qwen3-0.6B (K 1024
-// to 3072), whose products are a few MB and whose step is kernel latency, ran batch 2 / 4 / 8 in 0.79-0.92 /
-// 1.14 / 2.0-2.3 ms with the GEMV against 1.16-1.18 / 1.25 / 1.22-1.50 with cuBLASLt (session 12).
+// own kernels). Rows of more than 3072: 1 (Qwen2.5-7B's 3584 and up). On the H200 cuBLASLt ran Qwen3-8B decode
+// steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at batch 4 for this GEMV (and 5.03 /
+// 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Up to 3072: 4,
+// the range measured: Qwen3-0.6B (K 1024 to 3072), whose products are a few MB and whose step is kernel
+// latency, ran batch 2 / 4 / 8 in 0.79-0.92 / 1.14 / 2.0-2.3 ms with the GEMV against 1.16-1.36 / 1.06-1.26 /
+// 1.10-1.50 with cuBLASLt (session 12).
 // QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it for every K; read at every call, so the op tests can set it.
 int gemv_max_rows(int64_t K) {
   const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
-  return e ? std::clamp(std::atoi(e), 0, 8) : K < 4096 ? 4 : 1;
+  return e ? std::clamp(std::atoi(e), 0, 8) : K <= 3072 ? 4 : 1;
 }
 
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
