@@ -348,6 +348,32 @@ def test_attention_16bit_cache(h, kv_dtype, qh, kvh, hd):
         close(out, ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_qkv_attention_16bit_cache(h, kv_dtype):
+    """The layer's attention from q|k|v with a 16-bit cache (q/k norm, RoPE, the new k / v rounded into the
+    cache, attention over it) equals the same steps on an fp32 cache holding the rounded values."""
+    rng = np.random.default_rng(14)
+    qh, kvh, hd, ps, P = 8, 2, 64, 16, 64
+    for seqs in ATTN_SEQS:
+        _, _, _, kc, vc, q_start, ctx, pt, kv_rows = make_attn_case(rng, seqs, ps, qh, kvh, hd)
+        kc, vc = (rounded(a, kv_dtype).astype(np.float32) for a in (kc, vc))
+        T = int(q_start[-1])
+        qkv = rnd(rng, T, (qh + 2 * kvh) * hd)
+        pos = np.concatenate([np.arange(L - q, L) for q, L in seqs]).astype(np.int32)
+        ang = np.arange(P)[:, None] * (1.0 / 1000.0 ** (np.arange(hd // 2) / (hd // 2)))[None, :]
+        cs = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+        qw, kw = 1 + 0.3 * rnd(rng, hd), 1 + 0.3 * rnd(rng, hd)
+        scale = 1.0 / math.sqrt(hd)
+        out, kco, vco = h.qkv_attention(qkv, kc, vc, q_start, ctx, pt, kv_rows, ps, pos, cs, qh, kvh, hd, scale,
+                                        qw, kw, 1e-6, kv_dtype=kv_dtype)
+        fin, k32, v32 = h.finish_qkv(qkv, kc, vc, kv_rows, pos, cs, qh, kvh, hd, qw, kw, 1e-6)
+        k32, v32 = (rounded(a, kv_dtype).astype(np.float32) for a in (k32, v32))
+        assert np.array_equal(kco, k32) and np.array_equal(vco, v32)
+        ref, _, _ = h.attention(np.ascontiguousarray(fin[:, :qh * hd]), k32[kv_rows], v32[kv_rows], k32, v32,
+                                q_start, ctx, pt, kv_rows, ps, qh, kvh, hd, scale)
+        assert np.array_equal(out, ref)
+
+
 def test_attention_reference_is_transformers():
     """One sequence through the reference equals transformers' eager attention (guards the test)."""
     from transformers.models.qwen3.modeling_qwen3 import repeat_kv

@@ -265,8 +265,9 @@ void bind_op_harness(nb::module_& m) {
       .def("qkv_attention",
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
               I32In kv_rows, int page_size, I32In positions, F32In cs, int hq, int hkv, int hd, float scale,
-              std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {
-             Dev x = h.up(qkv, h.act()), kcd = h.up(kc, h.act()), vcd = h.up(vc, h.act());
+              std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps, const std::string& kv_dtype) {
+             const DType kvt = kv_dtype.empty() ? h.act() : parse_dtype(kv_dtype);
+             Dev x = h.up(qkv, h.act()), kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, x.t.rows);
              const AttnBatch& b = batch.b;
              Dev pd = h.up_ids(positions), cd = h.up(cs, DType::F32);
@@ -275,14 +276,14 @@ void bind_op_harness(nb::module_& m) {
              if (k_norm) kn = h.up(*k_norm, DType::F32);
              AttnShape sh{hq, hkv, hd, scale};
              RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
-             KvLayer cache{kcd.t.data, vcd.t.data, h.act()};
+             KvLayer cache{kcd.t.data, vcd.t.data, kvt};
              Dev o = h.empty(x.t.rows, int64_t(hq) * hd, h.act());
              h.be().qkv_attention(x.t, sh, qn ? &qn->t : nullptr, kn ? &kn->t : nullptr, eps, false,
                                   pd.t.ptr<int32_t>(), tab, b, cache, o.t);
              return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
            }, "qkv"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
            "page_size"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a,
-           "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a)
+           "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, "kv_dtype"_a = "")
       .def("gather_rows",
            [](OpHarness& h, F32In x, I32In rows) {
              Dev xd = h.up(x, h.act()), rd = h.up_ids(rows);
