@@ -7,8 +7,10 @@ OUT=${OUT:-/tmp/qwen_rt_out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 QWEN_RT_PROGRESS=0
-# The device copy's git metadata can lag the working tree: pass QWEN_RT_COMMIT=<commit> from here.
-export QWEN_RT_COMMIT=${QWEN_RT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device copy's git metadata lags the working tree (its HEAD named a commit sessions old): pass
+# QWEN_RT_COMMIT=<commit> from here; without it the record says "unknown" rather than a wrong commit.
+export QWEN_RT_COMMIT=${QWEN_RT_COMMIT:-unknown}
+[ "$QWEN_RT_COMMIT" = unknown ] && echo "gpu_run.sh: QWEN_RT_COMMIT not given; the bench record's commit is 'unknown'"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 t0=$(date +%s)
