@@ -81,6 +81,8 @@ class OpHarness {
     return F32Out(out, {size_t(t.rows), size_t(t.cols)}, owner);
   }
   DType act() const { return be_->act_dtype(); }
+  // A KV cache's dtype: the given one, or the activations' when empty.
+  DType kv(const std::string& kv_dtype) const { return kv_dtype.empty() ? act() : parse_dtype(kv_dtype); }
   // A norm's gain on the device: w, or ones when w is absent (a unit gain).
   Dev norm_gain(const std::optional<F32In>& w, int64_t cols) {
     if (w) return up(*w, DType::F32);
@@ -230,7 +232,7 @@ void bind_op_harness(nb::module_& m) {
            [](OpHarness& h, F32In q, F32In k, F32In v, F32In kc, F32In vc, I32In q_start, I32In ctx_len,
               I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale,
               const std::string& kv_dtype) {
-             const DType kvt = kv_dtype.empty() ? h.act() : parse_dtype(kv_dtype);
+             const DType kvt = h.kv(kv_dtype);
              Dev qd = h.up(q, h.act()), kd = h.up(k, h.act()), vd = h.up(v, h.act());
              Dev kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, qd.t.rows);
@@ -266,7 +268,7 @@ void bind_op_harness(nb::module_& m) {
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
               I32In kv_rows, int page_size, I32In positions, F32In cs, int hq, int hkv, int hd, float scale,
               std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps, const std::string& kv_dtype) {
-             const DType kvt = kv_dtype.empty() ? h.act() : parse_dtype(kv_dtype);
+             const DType kvt = h.kv(kv_dtype);
              Dev x = h.up(qkv, h.act()), kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, x.t.rows);
              const AttnBatch& b = batch.b;
