@@ -445,8 +445,8 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int L = 36;
   const std::vector<Shape> layer = {{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}};
-  size_t per_layer = 0;
-  for (auto& s : layer) per_layer += size_t(s.N) * s.K;
+  size_t per_layer = 0, shape_off[4];  // elements of a layer; each shape's offset within it
+  for (int i = 0; i < 4; ++i) shape_off[i] = per_layer, per_layer += size_t(layer[i].N) * layer[i].K;
   const size_t elems = per_layer * L;
   const double bytes = double(elems) * 2;
   bf16 *w = nullptr, *x = nullptr, *o = nullptr;
@@ -551,12 +551,20 @@ int main(int argc, char** argv) {
     return p;
   };
 
+  // One product on cuBLASLt with the plan of its shape (plans in the order of `layer`).
+  auto lt_product = [&](const std::vector<Plan>& plans) {
+    return [&, plans](const bf16* wp, int N, int K) {
+      int i = 0;
+      while (layer[i].N != N || layer[i].K != K) ++i;
+      const float alpha = 1.f, beta = 0.f;
+      LK(cublasLtMatmul(lt, plans[i].op, &alpha, wp, plans[i].a, x, plans[i].b, &beta, o, plans[i].c, o,
+                        plans[i].c, &plans[i].algo, ws, ws_bytes, st));
+    };
+  };
   if (lt_algos) {
     cublasLtMatmulPreference_t pref;
     LK(cublasLtMatmulPreferenceCreate(&pref));
     LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-    size_t off[4] = {};
-    for (int i = 1; i < 4; ++i) off[i] = off[i - 1] + size_t(layer[i - 1].N) * layer[i - 1].K;
     for (int M : {32, 64, 128})
       for (int si = 0; si < 4; ++si) {
         const Shape s = layer[si];
@@ -593,7 +601,7 @@ int main(int argc, char** argv) {
           const float ms = time_graph([&] {
             for (int l = 0; l < L; ++l) {
               const float alpha = 1.f, beta = 0.f;
-              LK(cublasLtMatmul(lt, p.op, &alpha, w + off[si] + size_t(l) * per_layer, p.a, x, p.b, &beta, o, p.c, o,
+              LK(cublasLtMatmul(lt, p.op, &alpha, w + shape_off[si] + size_t(l) * per_layer, p.a, x, p.b, &beta, o, p.c, o,
                                 p.c, &a, ws, ws_bytes, st));
             }
           });
@@ -628,13 +636,7 @@ int main(int argc, char** argv) {
     for (int M : {9, 20, 45, 16, 32, 64}) {
       std::vector<Plan> plans;
       for (const Shape& s : layer) plans.push_back(plan(s.N, s.K, M));
-      auto lt_one = [&](const bf16* wp, int N, int K) {
-        int i = 0;
-        while (layer[i].N != N || layer[i].K != K) ++i;
-        const float alpha = 1.f, beta = 0.f;
-        LK(cublasLtMatmul(lt, plans[i].op, &alpha, wp, plans[i].a, x, plans[i].b, &beta, o, plans[i].c, o,
-                          plans[i].c, &plans[i].algo, ws, ws_bytes, st));
-      };
+      auto lt_one = lt_product(plans);
       auto sk_one = [&](const bf16* wp, int N, int K) {
         sk::Args<bf16> a{x, K, M, wp, K, N, K, o, N, part, arrivals, sk::make_plan(N, K, sms), 1e-6f, false, false};
         const int nt = sk::tiles_per_group(M);
@@ -655,8 +657,7 @@ int main(int argc, char** argv) {
       }
       // Per shape, 36 layers each.
       for (int si = 0; si < 4; ++si) {
-        size_t off = 0;
-        for (int i = 0; i < si; ++i) off += size_t(layer[i].N) * layer[i].K;
+        const size_t off = shape_off[si];
         const Shape s = layer[si];
         for (int v = 0; v < 2; ++v) {
           const float ms = time_graph([&] {
@@ -675,13 +676,7 @@ int main(int argc, char** argv) {
   for (int M : {2, 4, 8, 16}) {
     std::vector<Plan> plans;
     for (const Shape& s : layer) plans.push_back(plan(s.N, s.K, M));
-    auto lt_one = [&](const bf16* wp, int N, int K) {
-      int i = 0;
-      while (layer[i].N != N || layer[i].K != K) ++i;
-      const float alpha = 1.f, beta = 0.f;
-      LK(cublasLtMatmul(lt, plans[i].op, &alpha, wp, plans[i].a, x, plans[i].b, &beta, o, plans[i].c, o, plans[i].c,
-                        &plans[i].algo, ws, ws_bytes, st));
-    };
+    auto lt_one = lt_product(plans);
     check("lt", M, lt_one);
     report("lt (cuBLASLt heuristic)", M, run_step(lt_one));
   }
