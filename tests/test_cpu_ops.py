@@ -360,8 +360,7 @@ def test_qkv_attention_16bit_cache(h, kv_dtype):
         T = int(q_start[-1])
         qkv = rnd(rng, T, (qh + 2 * kvh) * hd)
         pos = np.concatenate([np.arange(L - q, L) for q, L in seqs]).astype(np.int32)
-        ang = np.arange(P)[:, None] * (1.0 / 1000.0 ** (np.arange(hd // 2) / (hd // 2)))[None, :]
-        cs = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+        cs = rope_table(P, hd, theta=1000.0)
         qw, kw = 1 + 0.3 * rnd(rng, hd), 1 + 0.3 * rnd(rng, hd)
         scale = 1.0 / math.sqrt(hd)
         out, kco, vco = h.qkv_attention(qkv, kc, vc, q_start, ctx, pt, kv_rows, ps, pos, cs, qh, kvh, hd, scale,
@@ -660,8 +659,7 @@ def test_finish_qkv(h, hq, hkv, hd, rot, norm):
     kc, vc = rnd(rng, rows_cache, hkv * hd), rnd(rng, rows_cache, hkv * hd)
     kv_rows = rng.permutation(rows_cache)[:T].astype(np.int32)
     pos = rng.integers(0, P, size=T).astype(np.int32)
-    ang = np.arange(P)[:, None] * (1.0 / 1000.0 ** (np.arange(rot // 2) / (rot // 2)))[None, :]
-    cs = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    cs = rope_table(P, rot, theta=1000.0)
     qw = (1 + 0.3 * rnd(rng, hd)) if norm else None
     kw = (1 + 0.3 * rnd(rng, hd)) if norm else None
     out, kco, vco = h.finish_qkv(qkv, kc, vc, kv_rows, pos, cs, hq, hkv, hd, qw, kw, 1e-6)
