@@ -1,9 +1,10 @@
 // GEMV for few-row linears (decode): out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m < M <= 8, 16-bit
 // x and w of the same dtype; fp32 accumulation.
-// Layout: two warps share a weight row, each streaming a contiguous half of it in 16-byte pieces (several
-// in flight per lane, read past L1) against the same pieces of every x row; a block of 8 warps takes 4
-// rows at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM, default 4: one resident wave,
-// so a chained kernel after it finds room as soon as a block exits, walk the row groups), and a
+// Layout: two warps share a weight row (one warp for rows of at most 3072), each streaming a contiguous half
+// of it in 16-byte pieces (several in flight per lane, read past L1) against the same pieces of every x row;
+// a block of 8 warps takes 4 rows (8) at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM,
+// default 4: one resident wave, so a chained kernel after it finds room as soon as a block exits, walk the
+// row groups), and a
 // warp loads the first pieces of its next row before it finishes the current one, so the weight stream
 // does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
 // arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
@@ -20,15 +21,18 @@
 // streaming loop is the plain one. A norm with a gain runs as the composition (rms_norm, then the GEMV).
 // Measured before (gain and sums of squares inside the streaming loop, 1-2 rows): Qwen3-8B batch 1 q|k|v
 // GEMV 19.3 us against 13.7 us without a norm (profile at 9335681).
-// Short rows (K < 2048, one x row): 2 pieces in flight per lane instead of 4, so that a row is whole rounds,
-// prefetched like long ones (with 4 a K = 1024 row had no whole round and was read piece by piece): Qwen3-0.6B
-// batch 1 0.776-0.790 ms per step against 0.830-0.834 (LM head 123 -> 102 us, q|k|v 5.6 -> 5.2 us a layer).
+// Short rows (K <= 3072): one warp per row (a whole K = 1024 row is one round of 4 pieces per lane), no
+// meeting in shared memory and no block barrier per group, so each warp streams on by itself. (Session 12
+// before this: K < 2048 rows with 2 pieces per lane per round took Qwen3-0.6B batch 1 from 0.830 to 0.78 ms;
+// with 4, a K = 1024 row half had no whole round and was read piece by piece.) Qwen3-0.6B batch 1 0.742-0.750
+// against 0.789-0.790 ms, batch 2 0.866-0.871 against 0.914-0.920 (session 13, two alternated rounds).
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
 // QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 4; 0: one block per row group, not persistent).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -36,8 +40,11 @@ namespace qrt::cuda {
 namespace {
 
 constexpr int kThreads = 256;  // 8 warps
-constexpr int kSplit = 2;       // warps per weight row
-constexpr int kRowsPerGroup = kThreads / 32 / kSplit;
+// Warps per weight row: 2 for long rows (two halves meet in shared memory), 1 for rows of at most
+// kShortRow elements (each warp a whole row: no meeting, no block barrier per group of rows).
+constexpr int kShortRow = 3072;
+constexpr int warps_per_row(int64_t K) { return K <= kShortRow ? 1 : 2; }
+__host__ __device__ constexpr int rows_per_group(int split) { return kThreads / 32 / split; }
 
 // Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs.
 int64_t grid_blocks(int64_t groups, int num_sms) {
@@ -91,22 +98,23 @@ struct NormArgs {
 // Resident blocks per SM asked of the register allocator: 4 at one row, 3 at two (the measured setting).
 constexpr int min_blocks(int M) { return M == 1 ? 4 : M == 2 ? 3 : 1; }
 
-// UF: pieces in flight per lane of a plain (not gated) row: 4, or 2 for rows of fewer than 4 x 32 pieces per
-// half (K < 2048), which would otherwise take no whole round and run piece by piece, unprefetched.
-template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM, int UF = 4>
+// SPLIT: warps per weight row (warps_per_row(K)).
+template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM, int SPLIT>
 __global__ void __launch_bounds__(kThreads, min_blocks(M))
     gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw, O* __restrict__ out,
                 int64_t ldo, int64_t N, int64_t K, const void* bias, DType bias_t, NormArgs nm) {
   constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
-  constexpr int R = GATED ? 2 : 1;   // weight rows per warp: n (and n + N)
-  constexpr int U = GATED ? 2 : UF;  // pieces in flight per lane and weight row
+  constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
+  constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
   constexpr int kWarps = kThreads / 32;
+  constexpr int kRowsPerGroup = rows_per_group(SPLIT);
   __shared__ float part[kWarps][R][M], part_ss[kWarps][M];
   grid_release();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = warp / kSplit, half = warp % kSplit;
+  const int row = warp / SPLIT, half = warp % SPLIT;
   const int chunks = int(K / 8);  // 16-byte pieces per row
-  const int lo = half * (chunks / 2), len = half == 0 ? chunks / 2 : chunks - chunks / 2;
+  const int lo = SPLIT == 1 ? 0 : half * (chunks / 2);
+  const int len = SPLIT == 1 ? chunks : half == 0 ? chunks / 2 : chunks - chunks / 2;
   const int groups = int((N + kRowsPerGroup - 1) / kRowsPerGroup);
   // This warp's half of weight row n (and n + N) of group g; the last group's missing rows read row N - 1.
   auto locate = [&](int g, const uint4* (&p)[R]) {
@@ -212,35 +220,45 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
       for (int r = 0; r < R; ++r) wp[r] = load_weight(wr[r] + c);
       multiply(c, wp);
     }
-    // The two halves meet in shared memory; warp half 0 adds them (in that order) and writes.
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r][m] = warp_sum(acc[r][m]);
-    if (lane == 0) {
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < R; ++r) part[warp][r][m] = acc[r][m];
-    }
-    __syncthreads();
     const int64_t n = int64_t(g) * kRowsPerGroup + row;
-    if (half == 0 && lane < M && n < N) {
-      const int m = lane, o0 = warp, o1 = warp + 1;
-      const float inv = inv_rms;
-      const float s = (part[o0][0][m] + part[o1][0][m]) * inv;
+    // The row's result for x row m: the epilogue.
+    auto write = [&](int m, float s, float s_up) {
       O* o = out + m * ldo + n;
       if constexpr (GATED) {
-        const float gv = to_f(from_f<T>(s)), uv = to_f(from_f<T>((part[o0][R - 1][m] + part[o1][R - 1][m]) * inv));
-        *o = from_f<O>(silu_mul1(gv, uv));
+        *o = from_f<O>(silu_mul1(to_f(from_f<T>(s)), to_f(from_f<T>(s_up))));
       } else if constexpr (EPI == GemvEpilogue::Add) {
         *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
       } else {
         const float b = bias ? load_any(bias, bias_t, n) : 0.f;
         *o = from_f<O>(s + b);
       }
+    };
+    if constexpr (SPLIT == 1) {  // the warp holds the whole row: lane m < M writes x row m's result
+      if (lane < M && n < N) {
+        float s = 0.f, s_up = 0.f;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+          if (m == lane) s = acc[0][m], s_up = acc[R - 1][m];
+        write(lane, s * inv_rms, s_up * inv_rms);
+      }
+    } else {  // the two halves meet in shared memory; warp half 0 adds them (in that order) and writes
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) part[warp][r][m] = acc[r][m];
+      }
+      __syncthreads();
+      if (half == 0 && lane < M && n < N) {
+        const int m = lane, o0 = warp, o1 = warp + 1;
+        write(m, (part[o0][0][m] + part[o1][0][m]) * inv_rms, (part[o0][R - 1][m] + part[o1][R - 1][m]) * inv_rms);
+      }
+      __syncthreads();
     }
-    __syncthreads();
     locate(gn, wr);
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -253,32 +271,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
 template <typename T, typename O, GemvEpilogue EPI, bool NORM>
 void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* bias, Tensor& out, const NormArgs& nm,
               int num_sms, cudaStream_t s) {
-  const unsigned blocks = unsigned(grid_blocks((N + kRowsPerGroup - 1) / kRowsPerGroup, num_sms));
-
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
-  auto go = [&](auto kernel) {
+  auto go = [&](auto split, auto kernel) {
+    constexpr int kRows = rows_per_group(decltype(split)::value);
+    const unsigned blocks = unsigned(grid_blocks((N + kRows - 1) / kRows, num_sms));
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
-  switch (M) {
-    case 1:
-      if constexpr (EPI != GemvEpilogue::SiluMul) {  // one row, not gated, short: see UF
-        if (w.cols / 8 / kSplit < 4 * 32) {
-          go(gemv_kernel<T, O, 1, EPI, NORM, 2>);
-          break;
-        }
-      }
-      go(gemv_kernel<T, O, 1, EPI, NORM>);
-      break;
-    case 2: go(gemv_kernel<T, O, 2, EPI, NORM>); break;
-    case 3: go(gemv_kernel<T, O, 3, EPI, NORM>); break;
-    case 4: go(gemv_kernel<T, O, 4, EPI, NORM>); break;
-    case 5: go(gemv_kernel<T, O, 5, EPI, NORM>); break;
-    case 6: go(gemv_kernel<T, O, 6, EPI, NORM>); break;
-    case 7: go(gemv_kernel<T, O, 7, EPI, NORM>); break;
-    default: go(gemv_kernel<T, O, 8, EPI, NORM>); break;
-  }
+  auto with_split = [&](auto split) {
+    constexpr int S = decltype(split)::value;
+    switch (M) {
+      case 1: go(split, gemv_kernel<T, O, 1, EPI, NORM, S>); break;
+      case 2: go(split, gemv_kernel<T, O, 2, EPI, NORM, S>); break;
+      case 3: go(split, gemv_kernel<T, O, 3, EPI, NORM, S>); break;
+      case 4: go(split, gemv_kernel<T, O, 4, EPI, NORM, S>); break;
+      case 5: go(split, gemv_kernel<T, O, 5, EPI, NORM, S>); break;
+      case 6: go(split, gemv_kernel<T, O, 6, EPI, NORM, S>); break;
+      case 7: go(split, gemv_kernel<T, O, 7, EPI, NORM, S>); break;
+      default: go(split, gemv_kernel<T, O, 8, EPI, NORM, S>); break;
+    }
+  };
+  if (warps_per_row(w.cols) == 1) with_split(std::integral_constant<int, 1>{});
+  else with_split(std::integral_constant<int, 2>{});
 }
 
 // The instantiations that exist: Store and the normed Store to T or F32 (logits), Add and SiluMul (with or
