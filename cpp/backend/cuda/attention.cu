@@ -1092,12 +1092,21 @@ int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   return pairs >= 4 * blocks ? 1 : pairs >= 3 * int64_t(num_sms) ? 2 : kDecWarps;
 }
 
-// Splits for the decode kernel (4 warps per row only): enough blocks for two per SM, each split at least
-// a granule of keys.
+// Splits for the decode kernel (4 warps per row only): as many as fill two blocks per SM in one wave
+// (QWEN_RT_DECODE_SPLIT_SM=n: n per SM, for measurements), each split at least a granule of keys. Rounded
+// down: rounded up, a second, partial wave left most SMs idle. Qwen3-8B's heads, the attention alone
+// (scripts/attn_decode_study.cu, H200): batch 8 at 4k keys 41 against 58 us per layer (4 splits, not 5),
+// at 16k 136 against 192; batch 16 at 4k 75 against 92; batch 32 at 1k 38 against 47; batch 2 and 4 at 4k 2-3%
+// slower.
 int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  static const int per_sm = [] {
+    const char* e = std::getenv("QWEN_RT_DECODE_SPLIT_SM");
+    const int v = e ? std::atoi(e) : 0;
+    return v > 0 ? v : 2;
+  }();
   const int64_t base = int64_t(b.num_tokens) * sh.kv_heads;
   if (base <= 0 || decode_warps_per_row(b, sh, num_sms) != kDecWarps) return 1;
-  int64_t n = (int64_t(2) * num_sms + base - 1) / base;
+  int64_t n = int64_t(per_sm) * num_sms / base;
   n = std::min<int64_t>(n, (std::max(b.max_ctx_len, 1) + kDecGranule - 1) / kDecGranule);
   n = std::min<int64_t>(n, kMaxSplits);
   return int(std::max<int64_t>(n, 1));
