@@ -5,6 +5,7 @@ with graphs on is printed beside it.
 
     python scripts/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
         [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
+        [--prompt-len 4096]   (the whole prefill is one step, so that every decode step has the full batch)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main():
     for graphs in (True, False):
         with qwen_rt.Generator(a.model, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
                                max_batch_size=max(a.batch, 8), max_model_len=a.prompt_len + a.tokens + 16,
-                               cuda_graphs=graphs) as g:
+                               max_num_batched_tokens=max(2048, a.batch * a.prompt_len), cuda_graphs=graphs) as g:
             V = g.config["vocab_size"]
             prompts = [rng.integers(10, V - 10, size=a.prompt_len).tolist() for _ in range(a.batch)]
             sampling = dict(temperature=a.temperature, top_p=a.top_p)
