@@ -2,13 +2,12 @@
 // x and w of the same dtype; fp32 accumulation.
 // Layout: two warps share a weight row (one warp for rows of at most 3072), each streaming a contiguous half
 // of it in 16-byte pieces (several in flight per lane, read past L1) against the same pieces of every x row;
-// a block of 8 warps takes 4 rows (8) at a time. The grid is persistent (QWEN_RT_GEMV_BLOCKS blocks per SM,
-// default 4: one resident wave, so a chained kernel after it finds room as soon as a block exits, walk the
-// row groups), and a
-// warp loads the first pieces of its next row before it finishes the current one, so the weight stream
-// does not pause between rows or blocks. The two halves meet in shared memory in a fixed order: the
-// arithmetic of row m does not depend on M or on the grid (batch invariance among M <= 8; with a folded
-// norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
+// a block of 8 warps takes 4 weight rows at a time (8 with one warp per row). The grid is persistent
+// (QWEN_RT_GEMV_BLOCKS blocks per SM, default 4: one resident wave, so a chained kernel after it finds room as
+// soon as a block exits, walk the row groups), and a warp loads the first pieces of its next row before it
+// finishes the current one, so the weight stream does not pause between rows or blocks. Two halves meet in
+// shared memory in a fixed order: the arithmetic of row m does not depend on M or on the grid (batch
+// invariance among M <= 8; with a folded norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
 // step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches).
 // Chained launches with a one-wave grid: Qwen3-8B batch 1 4.137 ms per step against 4.452 unchained with
 // 8 blocks per SM (two waves) and 4.417 unchained with 4.
