@@ -673,6 +673,7 @@ constexpr int kDecWarps = 4;
 constexpr int kDecKeys = 16;                       // keys per warp step
 constexpr int kDecGranule = kDecWarps * kDecKeys;  // a split's keys are a multiple of this
 constexpr int kDecMaxGroup = 8;                    // query heads per kv head (the columns of O^T)
+constexpr int kDecBlocksPerSm = 2;                 // resident blocks per SM asked of the register allocator
 
 // FUSED: q is the layer's q|k|v projection and the kernel does finish_qkv's work for its rows first (ops.h):
 // every block normalizes and rotates its query heads into shared memory; the block whose keys end with the
@@ -794,7 +795,7 @@ __device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row
 }
 
 template <typename T, int D, int WPR, bool FUSED>
-__global__ void __launch_bounds__(kDecWarps * 32, 2) attn_decode_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_kernel(const DecodeArgs a) {
   grid_release();
   constexpr int KS = D / 16;  // k-steps of QK
   constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
@@ -1080,7 +1081,7 @@ bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_by
          sh.q_heads / sh.kv_heads <= kDecMaxGroup;
 }
 
-// The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (two blocks per SM).
+// The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (kDecBlocksPerSm per SM).
 int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   static const int forced = [] {  // QWEN_RT_DECODE_WPR=1|2|4: a fixed choice, for measurements
     const char* e = std::getenv("QWEN_RT_DECODE_WPR");
@@ -1088,11 +1089,11 @@ int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
     return v == 1 || v == 2 || v == kDecWarps ? v : 0;
   }();
   if (forced) return forced;
-  const int64_t pairs = int64_t(b.num_tokens) * sh.kv_heads, blocks = int64_t(2) * num_sms;
+  const int64_t pairs = int64_t(b.num_tokens) * sh.kv_heads, blocks = int64_t(kDecBlocksPerSm) * num_sms;
   return pairs >= 4 * blocks ? 1 : pairs >= 3 * int64_t(num_sms) ? 2 : kDecWarps;
 }
 
-// Splits for the decode kernel (4 warps per row only): as many as fill two blocks per SM in one wave
+// Splits for the decode kernel (4 warps per row only): as many as fill kDecBlocksPerSm blocks per SM in one wave
 // (QWEN_RT_DECODE_SPLIT_SM=n: n per SM, for measurements), each split at least a granule of keys. Rounded
 // down: rounded up, a second, partial wave left most SMs idle. Qwen3-8B's heads, the attention alone
 // (scripts/attn_decode_study.cu, H200): batch 8 at 4k keys 41 against 58 us per layer (4 splits, not 5),
@@ -1102,7 +1103,7 @@ int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   static const int per_sm = [] {
     const char* e = std::getenv("QWEN_RT_DECODE_SPLIT_SM");
     const int v = e ? std::atoi(e) : 0;
-    return v > 0 ? v : 2;
+    return v > 0 ? v : kDecBlocksPerSm;
   }();
   const int64_t base = int64_t(b.num_tokens) * sh.kv_heads;
   if (base <= 0 || decode_warps_per_row(b, sh, num_sms) != kDecWarps) return 1;
