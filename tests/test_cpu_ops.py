@@ -194,6 +194,29 @@ def test_linear(h, w_dtype, bias):
                 close(out, ref, atol=2e-5 * math.sqrt(k) / 8 + 1e-6)
 
 
+def _has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+# fp32 weights, and bf16 weights on the AVX512-BF16 dot-product path. (fp16 weights, and bf16 on AVX2, widen
+# the weights to fp32 from 16 rows on: another summation order, not covered here.)
+@pytest.mark.parametrize("w_dtype", ["float32"] + (["bfloat16"] if _has_avx512_bf16() else []))
+def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
+    """Every row of x @ w^T equals the same row computed alone, bit for bit, whatever tile the batch's row
+    count picks (1-2, 3-4, 5-15 and 16+ rows tile differently; the lane sums of every tile add the same pairs)."""
+    rng = np.random.default_rng(21)
+    for k, m in [(768, 50), (100, 37), (2048, 19)]:
+        x = rnd(rng, 24, k)
+        w = rnd(rng, m, k, scale=1.0 / math.sqrt(k))
+        alone = np.concatenate([np.asarray(h.linear(x[i:i + 1], w, None, w_dtype)) for i in range(24)])
+        for n in (2, 3, 4, 7, 8, 13, 16, 24):
+            np.testing.assert_array_equal(np.asarray(h.linear(x[:n], w, None, w_dtype)), alone[:n],
+                                          err_msg=f"{n} rows, k {k}")
+
+
 @pytest.mark.parametrize("w_dtype", W_DTYPES)
 def test_linear_add(h, w_dtype):
     """out += x @ w^T is exactly linear then add (fp32 sums, product rounded once as before)."""
