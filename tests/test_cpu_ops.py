@@ -194,19 +194,11 @@ def test_linear(h, w_dtype, bias):
                 close(out, ref, atol=2e-5 * math.sqrt(k) / 8 + 1e-6)
 
 
-def _has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-# fp32 weights, and bf16 weights on the AVX512-BF16 dot-product path. (fp16 weights, and bf16 on AVX2, widen
-# the weights to fp32 from 16 rows on: another summation order, not covered here.)
-@pytest.mark.parametrize("w_dtype", ["float32"] + (["bfloat16"] if _has_avx512_bf16() else []))
+@pytest.mark.parametrize("w_dtype", W_DTYPES)
 def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
     """Every row of x @ w^T equals the same row computed alone, bit for bit, whatever tile the batch's row
-    count picks (1-2, 3-4, 5-15 and 16+ rows tile differently; the lane sums of every tile add the same pairs)."""
+    count picks (few rows, 5-15 rows and 16+ rows tile differently, and from 16 rows 16-bit weights are widened
+    to fp32 first): every tile sums its lanes in the same order and adds a row's tail (K % 16) by fma."""
     rng = np.random.default_rng(21)
     for k, m in [(768, 50), (100, 37), (2048, 19)]:
         x = rnd(rng, 24, k)

@@ -82,21 +82,6 @@ inline __m512 load16(F16Rows, const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Lane j of the result: the sum of the 16 lanes of v[j] (a transpose-add tree; every j is summed in the same
-// order).
-inline __m512 sum_lanes16(const __m512 (&v)[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 // scores[p] = scale * q . k(p) for p < n (D a multiple of 16, at most 256), keys in blocks of 16: each key's
 // 16-lane products summed by sum_lanes16 (a key past n in a block repeats the block's first; its score is
 // dropped). key(p) points at k(p)'s D elements of kind R.

@@ -2,9 +2,11 @@
 // bf16 weights on CPUs with AVX512-BF16 take bf16 x bf16 products with fp32 accumulation (x rounded to
 // bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
-// then a fixed pairwise lane sum, so results do not depend on the tiling (batch invariance). Without
+// then a fixed pairwise lane sum (AVX-512: sum_lanes16, 16 accumulators at a time), so results do not depend
+// on the tiling (batch invariance); tails past K / 16 * 16 add in K order by fma. Without
 // AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane halves accumulated in two passes (16 registers).
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -89,43 +91,18 @@ template <> inline float load_w1<DType::BF16>(const void* b, int64_t i) { return
 template <> inline float load_w1<DType::F16>(const void* b, int64_t i) { return f16_to_f32(static_cast<const uint16_t*>(b)[i]); }
 
 #if defined(__AVX512F__)
-// out[j] = lane_sum(v[j]) for 16 vectors, by one tree over all of them: each level adds the same lane pairs
-// as lane_sum (i and i + 8, then + 4, + 2, + 1), so the sums are bit-identical, in ~45 instructions instead
-// of ~9 per vector.
-// (GCC 12 warns that the intrinsics' unused pass-through operands may be uninitialized: a false alarm.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-inline void lane_sums16(const __m512 (&v)[16], float* out) {
-  __m512 c[8], e[4], g[2];
-  for (int p = 0; p < 8; ++p)  // chunks: v[2p] lanes 0-3 + 8-11, 4-7 + 12-15, then v[2p + 1]'s
-    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int r = 0; r < 4; ++r)  // chunk k: vector 4 r + k's lanes i + (i + 4), i < 4
-    e[r] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * r], c[2 * r + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[2 * r], c[2 * r + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int t = 0; t < 2; ++t)  // chunk k: vector 8 t + k's i + (i + 2), i < 2, then vector 8 t + 4 + k's
-    g[t] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * t], e[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(e[2 * t], e[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // Lane 4 k + q: the sum of vector 4 q + k; put vector j's at lane j.
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, f));
-}
-
-// out[a] = lane_sum(acc[a]) for a < n: lane_sums16 over groups of 16 (zeros pad the last group).
+// out[a] = the lane sum of acc[a] for a < n, by sum_lanes16 over groups of 16 (zeros pad the last group):
+// the same order for every accumulator of every tile shape.
 template <int n>
 inline void lane_sums(const __m512* acc, float* out) {
   for (int g = 0; g < (n + 15) / 16; ++g) {
     __m512 v[16];
-    float sums[16];
+    alignas(64) float sums[16];
     for (int q = 0; q < 16; ++q) v[q] = g * 16 + q < n ? acc[g * 16 + q] : _mm512_setzero_ps();
-    lane_sums16(v, sums);
+    _mm512_store_ps(sums, sum_lanes16(v));
     for (int q = 0; q < 16 && g * 16 + q < n; ++q) out[g * 16 + q] = sums[q];
   }
 }
-#pragma GCC diagnostic pop
 #endif
 
 // One tile: rows m0..m0+mr of x against rows n0..n0+nr of w.
@@ -154,7 +131,7 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float tail = 0.f;
-      for (int64_t k = kv; k < K; ++k) tail += x[i * ldx + k] * load_w1<WT>(w + j * ldw_bytes, k);
+      for (int64_t k = kv; k < K; ++k) tail = std::fma(x[i * ldx + k], load_w1<WT>(w + j * ldw_bytes, k), tail);
       res[i][j] = sums[i][j] + tail;
     }
 }
@@ -232,7 +209,7 @@ inline void finish_halves(const float (&part)[2][mr][nr][8], LaneSum2 lane_sum2,
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
       float tail = 0.f;
-      for (int64_t k = kv; k < K; ++k) tail += x[i * ldx + k] * load_w1<WT>(w + j * ldw_bytes, k);
+      for (int64_t k = kv; k < K; ++k) tail = std::fma(x[i * ldx + k], load_w1<WT>(w + j * ldw_bytes, k), tail);
       res[i][j] = lane_sum2(_mm256_loadu_ps(part[0][i][j]), _mm256_loadu_ps(part[1][i][j])) + tail;
     }
 }
