@@ -2,7 +2,7 @@
 // model's real head shapes: `layers` layers, each with its own paged cache (pages in shuffled order, so
 // nothing stays in L2 from one layer to the next), run as the engine runs a decode step's attention
 // (launch_qkv_attention, else finish_qkv then attention), captured as one CUDA graph. The figure is the K/V
-// bytes the step must read / the graph's time per layer, beside a device copy of as many bytes.
+// bytes the step must read / the graph's time per layer, beside the rate of a 2 GiB device-to-device copy.
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Icpp scripts/attn_decode_study.cu cpp/backend/cuda/kernels.cu \
 //        cpp/core/dtype.cpp -o /tmp/attn_study
 //   /tmp/attn_study [--heads Hq Hkv D] [--eager] [BATCHxCTX ...]   (default Qwen3-8B's 32 8 128, a sweep)
@@ -66,12 +66,15 @@ struct Result {
   int layers;
 };
 
-Result run(int B, int ctx, int Hq, int Hkv, int D, bool eager, int num_sms, cudaStream_t st) {
+Result run(int B, int ctx, int Hq, int Hkv, int D, bool eager, int num_sms, int l2_bytes, cudaStream_t st) {
   const int page = 16, pages_per_seq = (ctx + page - 1) / page, P = B * pages_per_seq;
   const int64_t cols = int64_t(Hkv) * D, rows = int64_t(P + 1) * page;  // + the scratch page
   const double kv_bytes = double(B) * ctx * cols * 2 * 2;                 // K and V, bf16
-  // Enough layers that the caches far exceed L2, at most 36 and ~24 GB.
-  const int layers = int(std::max(2.0, std::min(36.0, std::floor(24e9 / (double(rows) * cols * 4)))));
+  // Enough layers that the caches together are at least 4x L2 (small caches would otherwise be read from L2),
+  // else up to 36 layers for a steadier mean; at most ~24 GB.
+  const double layer_bytes = double(rows) * cols * 4;
+  const int layers = int(std::max({2.0, std::ceil(4.0 * l2_bytes / layer_bytes),
+                                   std::min(36.0, std::floor(24e9 / layer_bytes))}));
   std::vector<__nv_bfloat16*> kc(layers), vc(layers);
   for (int l = 0; l < layers; ++l) {
     kc[l] = dev<__nv_bfloat16>(size_t(rows * cols));
@@ -153,6 +156,7 @@ Result run(int B, int ctx, int Hq, int Hkv, int D, bool eager, int num_sms, cuda
   float ms = 0;
   cudaEventElapsedTime(&ms, e0, e1);
   const double us = ms * 1e3 / reps / layers;
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
   if (exec) cudaGraphExecDestroy(exec);
   for (int l = 0; l < layers; ++l) cudaFree(kc[l]), cudaFree(vc[l]);
   cudaFree(const_cast<int32_t*>(b.q_start));
@@ -178,6 +182,7 @@ double copy_tbps(cudaStream_t st) {
   ck(cudaEventSynchronize(e1), "copy");
   float ms = 0;
   cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(a), cudaFree(c);
   return 2.0 * n * 5 / (ms * 1e-3) / 1e12;  // read + write
 }
@@ -205,9 +210,10 @@ int main(int argc, char** argv) {
     for (int B : {1, 8, 32, 64})
       for (int ctx : {256, 1024, 4096, 16384})
         if (int64_t(B) * ctx <= 262144) cases.push_back({B, ctx});
-  int dev_id = 0, num_sms = 0;
+  int dev_id = 0, num_sms = 0, l2_bytes = 0;
   cudaGetDevice(&dev_id);
   cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev_id);
+  cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev_id);
   cudaStream_t st;
   cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
   std::printf("heads %d/%d x %d, %s, copy %.2f TB/s (read + write)\n", Hq, Hkv, D, eager ? "eager" : "graph",
@@ -220,7 +226,7 @@ int main(int argc, char** argv) {
     probe.max_ctx_len = ctx;
     const AttnShape sh{Hq, Hkv, D, 1.f};
     const int wpr = decode_warps_per_row(probe, sh, num_sms);
-    const Result r = run(B, ctx, Hq, Hkv, D, eager, num_sms, st);
+    const Result r = run(B, ctx, Hq, Hkv, D, eager, num_sms, l2_bytes, st);
     std::printf("%6d %7d %6d %5d %10.2f %8.2f   splits %d\n", B, ctx, r.layers, wpr, r.us_per_layer, r.tbps,
                 decode_splits(probe, sh, num_sms));
   }

@@ -39,14 +39,23 @@ eval "run_tests base ${BASE_TESTS:-}"
 for patch in "$@"; do
   name=$(basename "$patch" .patch)
   git apply "$patch" || { echo "patch $patch does not apply"; continue; }
-  build "$name" && variants+=("$name")
+  # The tests run while the patch is applied (they may be part of it), and only on a build that succeeded.
+  if build "$name"; then
+    variants+=("$name")
+    eval "run_tests \"\$name\" ${TESTS:-}"
+  fi
   git apply -R "$patch"
-  eval "run_tests \"\$name\" ${TESTS:-}"
 done
+# Rounds alternate the order (A B, B A, ...) so that a drift over the call does not favour one variant.
 for i in $(seq "${REPEATS:-2}"); do
-  for v in "${variants[@]}"; do
+  order=("${variants[@]}")
+  if (( i % 2 == 0 )); then
+    order=(); for (( j=${#variants[@]}-1; j>=0; j-- )); do order+=("${variants[j]}"); done
+  fi
+  for v in "${order[@]}"; do
     echo "== round $i, $v : $bench_args" | tee -a "$OUT/ab.log"
-    PYTHONPATH="$pkgs/$v" timeout ${BENCH_TIMEOUT:-200} python3 -m qwen_rt.bench gpu $bench_args 2>/dev/null \
-      | grep -v '^{' | tee -a "$OUT/ab.log"
+    PYTHONPATH="$pkgs/$v" timeout ${BENCH_TIMEOUT:-200} python3 -m qwen_rt.bench gpu $bench_args \
+      2> "$OUT/bench_${v}_$i.err" | grep -v '^{' | tee -a "$OUT/ab.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "bench $v failed:"; tail -20 "$OUT/bench_${v}_$i.err"; }
   done
 done

@@ -383,7 +383,9 @@ def test_scale_columns_folds_a_norm_gain(cpu, act, zc, gemv_rows, monkeypatch):
     assert rel(folded, ref) < TOL[act]
 
 
-@pytest.mark.parametrize("k", [24, 264, 4104])  # 16-byte pieces per row odd: the two half-rows differ in length
+# Odd numbers of 16-byte pieces per row: 24 and 264 (one warp per row) end in a partial round; 4104 (two warps
+# per row) has half-rows of different lengths.
+@pytest.mark.parametrize("k", [24, 264, 4104])
 @pytest.mark.parametrize("n", [1, 5, 133])      # a last group of rows that is partly empty
 def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n, monkeypatch):
     """The decode GEMV (1..8 rows with QWEN_RT_GEMV_ROWS=8, bf16): every row of every epilogue equals the same
@@ -412,6 +414,28 @@ def test_gemv_rows_do_not_depend_on_the_batch(cpu, k, n, monkeypatch):
         for m in range(1, max_rows):
             part = np.asarray(gpu_op(x[:m], res[:m]))
             np.testing.assert_array_equal(part, full[:m], err_msg=f"{name}: {m} rows against {max_rows}")
+
+
+# 1032: one warp per row, a round of 4 pieces per lane and one piece left; 3080: two warps per row (halves of 192
+# and 193 pieces).
+@pytest.mark.parametrize("k", [1032, 3080])
+def test_gemv_blocks_walk_several_row_groups(cpu, k, monkeypatch):
+    """More row groups than the persistent grid has blocks (9001 rows: 1126 groups of 8 or 2251 of 4 against at most
+    4 blocks per SM), so blocks take a second and third group: every row is close to the CPU, and a row's result
+    is the same with 1 and 3 x rows."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "8")
+    act, n = "bfloat16", 9001
+    rng = np.random.default_rng(k)
+    x = rand(rng, (3, k), -1, 1, act)
+    w = round_to(rand(rng, (2 * n, k), -1, 1, act) / math.sqrt(k), act)
+    h = harness(DEVICE, act)
+    for name, gpu_op, cpu_op in (
+        ("linear", lambda x_: h.linear(x_, w[:n], None, act), lambda x_: cpu.linear(x_, w[:n], None, "float32")),
+        ("linear_silu_mul", lambda x_: h.linear_silu_mul(x_, w), lambda x_: cpu.linear_silu_mul(x_, w)),
+    ):
+        three = np.asarray(gpu_op(x))
+        assert rel(three, np.asarray(cpu_op(x))) < TOL[act], name
+        np.testing.assert_array_equal(np.asarray(gpu_op(x[:1])), three[:1], err_msg=name)
 
 
 @pytest.mark.parametrize("k", [1024, 3072])

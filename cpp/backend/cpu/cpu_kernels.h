@@ -38,7 +38,8 @@ inline __m512 sum_lanes16(const __m512 (&v)[16]) {
 #pragma GCC diagnostic pop
 #endif
 
-// The 16 lanes of v added pairwise in a fixed order (lane i + w onto lane i, w = 8, 4, 2, 1).
+// The 16 lanes of v added pairwise in a fixed order (lane i + w onto lane i, w = 8, 4, 2, 1). sum_lanes16 adds
+// in another order (neighbouring lanes first): code that needs equal sums uses one of the two throughout.
 inline float lane_sum(v16f v) {
   float a[16];
   std::memcpy(a, &v, 64);

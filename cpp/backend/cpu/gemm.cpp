@@ -3,8 +3,10 @@
 // bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
 // then a fixed pairwise lane sum (AVX-512: sum_lanes16, 16 accumulators at a time), so results do not depend
-// on the tiling (batch invariance); tails past K / 16 * 16 add in K order by fma. Without
-// AVX-512 but with AVX2 + FMA, the 16 lanes are two 8-lane halves accumulated in two passes (16 registers).
+// on the tiling (batch invariance); in the fp32/fp16-weight tiles, tails past K / 16 * 16 add in K order by fma
+// (the bf16 dot-product tile reads its tail as one masked step instead). Without AVX-512 but with AVX2 + FMA,
+// the 16 lanes are two 8-lane halves accumulated in two passes (16 registers), summed by lane_sum's order,
+// which is not sum_lanes16's: results agree within rounding across the two builds, not bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>

@@ -1,14 +1,15 @@
 // GEMV for few-row linears (decode): out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m < M <= 8, 16-bit
 // x and w of the same dtype; fp32 accumulation.
-// Layout: two warps share a weight row (one warp for rows of at most 3072), each streaming a contiguous half
-// of it in 16-byte pieces (several in flight per lane, read past L1) against the same pieces of every x row;
-// a block of 8 warps takes 4 weight rows at a time (8 with one warp per row). The grid is persistent
-// (QWEN_RT_GEMV_BLOCKS blocks per SM, default 4: one resident wave, so a chained kernel after it finds room as
-// soon as a block exits, walk the row groups), and a warp loads the first pieces of its next row before it
+// Layout: a weight row is streamed by one warp (rows of at most kShortRow = 3072 elements) or by two warps, each
+// a contiguous half of it, in 16-byte pieces (several in flight per lane, read past L1) against the same pieces
+// of every x row; a block of 8 warps takes a row group of 8 weight rows (one warp per row) or 4 (two). The grid is
+// persistent (QWEN_RT_GEMV_BLOCKS blocks per SM, default 4: one resident wave, so a chained kernel after it finds
+// room as soon as a block exits, walk the row groups), and a warp loads the first pieces of its next row before it
 // finishes the current one, so the weight stream does not pause between rows or blocks. Two halves meet in
 // shared memory in a fixed order: the arithmetic of row m does not depend on M or on the grid (batch
-// invariance among M <= 8; with a folded norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144 GEMVs of a
-// step): one warp per row with cached loads 3.64 TB/s, this layout 4.02 TB/s (4.18 with chained launches).
+// invariance among M <= 8; with a folded norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144
+// GEMVs of a step, rows of 4096 and 12288, before short rows took one warp): one warp per row with cached loads
+// 3.64 TB/s, two warps per row with loads past L1 4.02 TB/s (4.18 with chained launches).
 // Chained launches with a one-wave grid: Qwen3-8B batch 1 4.137 ms per step against 4.452 unchained with
 // 8 blocks per SM (two waves) and 4.417 unchained with 4.
 // Epilogues: Store; Add (out += the product rounded to out's dtype, what linear then add gives); SiluMul
@@ -20,7 +21,7 @@
 // streaming loop is the plain one. A norm with a gain runs as the composition (rms_norm, then the GEMV).
 // Measured before (gain and sums of squares inside the streaming loop, 1-2 rows): Qwen3-8B batch 1 q|k|v
 // GEMV 19.3 us against 13.7 us without a norm (profile at 9335681).
-// Short rows (K <= 3072): one warp per row (a whole K = 1024 row is one round of 4 pieces per lane), no
+// Short rows (K <= kShortRow): one warp per row (a whole K = 1024 row is one round of 4 pieces per lane), no
 // meeting in shared memory and no block barrier per group, so each warp streams on by itself. (Session 12
 // before this: K < 2048 rows with 2 pieces per lane per round took Qwen3-0.6B batch 1 from 0.830 to 0.78 ms;
 // with 4, a K = 1024 row half had no whole round and was read piece by piece.) Qwen3-0.6B batch 1 0.742-0.750
@@ -43,7 +44,7 @@ constexpr int kThreads = 256;  // 8 warps
 // kShortRow elements (each warp a whole row: no meeting, no block barrier per group of rows).
 constexpr int kShortRow = 3072;
 constexpr int warps_per_row(int64_t K) { return K <= kShortRow ? 1 : 2; }
-__host__ __device__ constexpr int rows_per_group(int split) { return kThreads / 32 / split; }
+__host__ __device__ constexpr int rows_per_group(int wpr) { return kThreads / 32 / wpr; }
 
 // Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs.
 int64_t grid_blocks(int64_t groups, int num_sms) {
@@ -97,8 +98,8 @@ struct NormArgs {
 // Resident blocks per SM asked of the register allocator: 4 at one row, 3 at two (the measured setting).
 constexpr int min_blocks(int M) { return M == 1 ? 4 : M == 2 ? 3 : 1; }
 
-// SPLIT: warps per weight row (warps_per_row(K)).
-template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM, int SPLIT>
+// WPR: warps per weight row (warps_per_row(K)).
+template <typename T, typename O, int M, GemvEpilogue EPI, bool NORM, int WPR>
 __global__ void __launch_bounds__(kThreads, min_blocks(M))
     gemv_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw, O* __restrict__ out,
                 int64_t ldo, int64_t N, int64_t K, const void* bias, DType bias_t, NormArgs nm) {
@@ -106,16 +107,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
   constexpr int U = GATED ? 2 : 4;  // pieces in flight per lane and weight row
   constexpr int kWarps = kThreads / 32;
-  constexpr int kRowsPerGroup = rows_per_group(SPLIT);
+  constexpr int kRowsPerGroup = rows_per_group(WPR);
   __shared__ float part[kWarps][R][M], part_ss[kWarps][M];
   grid_release();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = warp / SPLIT, half = warp % SPLIT;
+  const int row = warp / WPR, half = warp % WPR;
   const int chunks = int(K / 8);  // 16-byte pieces per row
-  const int lo = SPLIT == 1 ? 0 : half * (chunks / 2);
-  const int len = SPLIT == 1 ? chunks : half == 0 ? chunks / 2 : chunks - chunks / 2;
+  const int lo = WPR == 1 ? 0 : half * (chunks / 2);
+  const int len = WPR == 1 ? chunks : half == 0 ? chunks / 2 : chunks - chunks / 2;
   const int groups = int((N + kRowsPerGroup - 1) / kRowsPerGroup);
-  // This warp's half of weight row n (and n + N) of group g; the last group's missing rows read row N - 1.
+  // This warp's part (the whole row, or a half) of weight row n (and n + N) of group g; the last group's
+  // missing rows read row N - 1.
   auto locate = [&](int g, const uint4* (&p)[R]) {
     const int64_t n = g * kRowsPerGroup + row < N ? g * kRowsPerGroup + row : N - 1;
 #pragma unroll
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
         *o = from_f<O>(s + b);
       }
     };
-    if constexpr (SPLIT == 1) {  // the warp holds the whole row: lane m < M writes x row m's result
+    if constexpr (WPR == 1) {  // the warp holds the whole row: lane m < M writes x row m's result
       if (lane < M && n < N) {
         float s = 0.f, s_up = 0.f;
 #pragma unroll
@@ -272,27 +274,27 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
               int num_sms, cudaStream_t s) {
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
-  auto go = [&](auto split, auto kernel) {
-    constexpr int kRows = rows_per_group(decltype(split)::value);
+  auto go = [&](auto wpr, auto kernel) {
+    constexpr int kRows = rows_per_group(decltype(wpr)::value);
     const unsigned blocks = unsigned(grid_blocks((N + kRows - 1) / kRows, num_sms));
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
-  auto with_split = [&](auto split) {
-    constexpr int S = decltype(split)::value;
+  auto with_wpr = [&](auto wpr) {
+    constexpr int W = decltype(wpr)::value;
     switch (M) {
-      case 1: go(split, gemv_kernel<T, O, 1, EPI, NORM, S>); break;
-      case 2: go(split, gemv_kernel<T, O, 2, EPI, NORM, S>); break;
-      case 3: go(split, gemv_kernel<T, O, 3, EPI, NORM, S>); break;
-      case 4: go(split, gemv_kernel<T, O, 4, EPI, NORM, S>); break;
-      case 5: go(split, gemv_kernel<T, O, 5, EPI, NORM, S>); break;
-      case 6: go(split, gemv_kernel<T, O, 6, EPI, NORM, S>); break;
-      case 7: go(split, gemv_kernel<T, O, 7, EPI, NORM, S>); break;
-      default: go(split, gemv_kernel<T, O, 8, EPI, NORM, S>); break;
+      case 1: go(wpr, gemv_kernel<T, O, 1, EPI, NORM, W>); break;
+      case 2: go(wpr, gemv_kernel<T, O, 2, EPI, NORM, W>); break;
+      case 3: go(wpr, gemv_kernel<T, O, 3, EPI, NORM, W>); break;
+      case 4: go(wpr, gemv_kernel<T, O, 4, EPI, NORM, W>); break;
+      case 5: go(wpr, gemv_kernel<T, O, 5, EPI, NORM, W>); break;
+      case 6: go(wpr, gemv_kernel<T, O, 6, EPI, NORM, W>); break;
+      case 7: go(wpr, gemv_kernel<T, O, 7, EPI, NORM, W>); break;
+      default: go(wpr, gemv_kernel<T, O, 8, EPI, NORM, W>); break;
     }
   };
-  if (warps_per_row(w.cols) == 1) with_split(std::integral_constant<int, 1>{});
-  else with_split(std::integral_constant<int, 2>{});
+  if (warps_per_row(w.cols) == 1) with_wpr(std::integral_constant<int, 1>{});
+  else with_wpr(std::integral_constant<int, 2>{});
 }
 
 // The instantiations that exist: Store and the normed Store to T or F32 (logits), Add and SiluMul (with or
@@ -325,16 +327,16 @@ bool gemv_folds_norms() {
 }
 
 // The most rows a GEMV takes for rows of K elements; more go to cuBLASLt (with the norm and silu_mul as their
-// own kernels). Rows of more than 3072: 1 (Qwen2.5-7B's 3584 and up). On the H200 cuBLASLt ran Qwen3-8B decode
+// own kernels). Rows of more than kShortRow (3072): 1 (Qwen2.5-7B's 3584 and up). On the H200 cuBLASLt ran Qwen3-8B decode
 // steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at batch 4 for this GEMV (and 5.03 /
-// 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Up to 3072: 4,
+// 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Up to kShortRow: 4,
 // the range measured: Qwen3-0.6B (K 1024 to 3072), whose products are a few MB and whose step is kernel
 // latency, ran batch 2 / 4 / 8 in 0.79-0.92 / 1.14 / 2.0-2.3 ms with the GEMV against 1.16-1.36 / 1.06-1.26 /
 // 1.10-1.50 with cuBLASLt (session 12).
 // QWEN_RT_GEMV_ROWS=<n> (up to 8) sets it for every K; read at every call, so the op tests can set it.
 int gemv_max_rows(int64_t K) {
   const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
-  return e ? std::clamp(std::atoi(e), 0, 8) : K <= 3072 ? 4 : 1;
+  return e ? std::clamp(std::atoi(e), 0, 8) : K <= kShortRow ? 4 : 1;
 }
 
 bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, GemvEpilogue epi,
