@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 # The CPU benchmark model: ~100M parameters (embeddings 25.2M, 12 layers of 6.3M), tied embeddings.
 BENCH_MODEL_CPU = dict(
     vocab_size=32768,
@@ -150,8 +152,34 @@ def _hf_generate(model, input_ids, new_tokens: int, cache: str):
     return dt, out[:, input_ids.shape[1]:].tolist()
 
 
+LOGPROB_TOP = 20  # the closeness check compares the first generated token's top-20 log-probabilities
+
+
+def _hf_first_logprobs(model, input_ids) -> np.ndarray:
+    """log_softmax of the next-token logits after each prompt (fp32), [batch, vocab]."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(input_ids, attention_mask=torch.ones_like(input_ids)).logits[:, -1].float()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def _top(row: np.ndarray, k: int) -> dict[int, float]:
+    ids = np.argpartition(-row, k)[:k]
+    return {int(i): float(row[i]) for i in ids}
+
+
+def _logprob_error(tops: list[dict[int, float]], ref: np.ndarray) -> float:
+    """Largest |log p - reference log p| over the tokens in both a prompt's top list and the reference's top
+    list (float32 transformers), over the prompts."""
+    err = 0.0
+    for top, ref_row in zip(tops, ref):
+        for t in top.keys() & _top(ref_row, LOGPROB_TOP).keys():
+            err = max(err, abs(top[t] - float(ref_row[t])))
+    return err
+
+
 def run_cpu(args) -> int:
-    import numpy as np
     import torch
     import transformers
 
@@ -181,6 +209,8 @@ def run_cpu(args) -> int:
 
         results: list[dict] = []
         tokens: dict[tuple, list] = {}
+        first_lp: dict[str, np.ndarray] = {}        # transformers' first-token log-probabilities by dtype
+        first_top: dict[str, list[dict]] = {}      # qwen_rt's first-token top lists by dtype
 
         # -- transformers ------------------------------------------------------------------------
         if not args.skip_hf:
@@ -191,6 +221,11 @@ def run_cpu(args) -> int:
                     except Exception as e:
                         log(f"transformers {dtype}/{attn}: load failed: {type(e).__name__}: {e}")
                         continue
+                    if dtype not in first_lp:
+                        try:
+                            first_lp[dtype] = _hf_first_logprobs(model, torch.tensor(prompts, dtype=torch.long))
+                        except Exception as e:
+                            log(f"transformers {dtype}/{attn}: logits failed: {type(e).__name__}: {e}")
                     for cache in _csv(args.hf_cache):
                         for bs in batch_sizes:
                             row = {"engine": "transformers", "dtype": dtype, "variant": f"{attn}/{cache}",
@@ -260,6 +295,11 @@ def run_cpu(args) -> int:
                             log(f"  qwen_rt {dtype} batch {bs}: "
                                 + (f"{row['tok_s']:.1f} tok/s" if row.get("tok_s") else row.get("error", "")))
                             results.append(row)
+                        try:
+                            outs = gen.generate(prompts, max_tokens=1, temperature=0.0, logprobs=LOGPROB_TOP)
+                            first_top[dtype] = [o.logprobs[0] for o in outs]
+                        except Exception as e:
+                            log(f"qwen_rt {dtype}: logprobs failed: {type(e).__name__}: {e}")
                     finally:
                         gen.close()
 
@@ -298,6 +338,17 @@ def run_cpu(args) -> int:
             agreement[f"{dtype}/b{bs}"] = {"min_common_prefix": min(prefix), "mean_common_prefix":
                                            sum(prefix) / len(prefix), "of": N}
 
+        # Closeness (what greedy agreement cannot show on flat random logits): the first token's log-probabilities
+        # of each engine and dtype against transformers in float32.
+        closeness = {}
+        if "float32" in first_lp:
+            ref = first_lp["float32"]
+            for dtype, tops in first_top.items():
+                closeness[f"qwen_rt/{dtype}"] = _logprob_error(tops, ref)
+            for dtype, lp in first_lp.items():
+                if dtype != "float32":
+                    closeness[f"transformers/{dtype}"] = _logprob_error([_top(r, LOGPROB_TOP) for r in lp], ref)
+
         print("", file=sys.stderr)
         cols = ["engine", "dtype", "variant", "batch", "time_s", "tok_s", "x_best_hf", "x_hf_same_dtype", "error"]
         if not any("error" in r for r in results):
@@ -319,6 +370,10 @@ def run_cpu(args) -> int:
             print("greedy agreement with transformers (common prefix of token ids, of "
                   f"{N}): " + ", ".join(f"{k}: min {v['min_common_prefix']}" for k, v in agreement.items()),
                   file=sys.stderr)
+        if closeness:
+            print(f"first-token log-probabilities against transformers float32 (largest |difference| over both "
+                  f"top-{LOGPROB_TOP} lists, {len(prompts)} prompts): "
+                  + ", ".join(f"{k} {v:.2g}" for k, v in closeness.items()), file=sys.stderr)
         if qrt_error:
             print(f"qwen_rt was not measured: {qrt_error}", file=sys.stderr)
 
@@ -335,6 +390,7 @@ def run_cpu(args) -> int:
             "results": results,
             "ratio_vs_best_hf": {str(s["batch"]): s["qwen_rt / transformers"] for s in summary},
             "greedy_agreement": agreement,
+            "first_logprob_error_vs_hf_float32": closeness,
             "qwen_rt_error": qrt_error,
         })
         _emit_record(rec, args.json)
