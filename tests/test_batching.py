@@ -206,3 +206,111 @@ def test_request_independent_of_batch(build, make_gen, fresh_gen):
     assert outs[1].token_ids == alone_s
     # Sampling really samples here (the seed matters).
     assert alone_s != alone_g
+
+
+def test_two_threads_waiting_on_one_request_take_its_output_in_turns(build, fresh_gen):
+    """The engine's wait from two threads on one id: every token goes to exactly one of them, one sees the end
+    (the other is told the id finished), and the next request is untouched by the stale waiter (its channel
+    could take the erased one's memory)."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=4, max_model_len=256)
+    eng = gen._engine
+    n = 40
+    (p,) = M.pick_prompts(folder, seed=400, lengths=[12], max_new=n)
+    ref = M.hf_greedy(folder, p, n)
+    opts = gen._native_sampling(gen._params(None, dict(max_tokens=n, **GREEDY)))
+    for trial in range(12):
+        rid = eng.submit(p, opts)
+        got = {"A": [], "B": []}
+        ends = []
+
+        def waiter(name):
+            try:
+                while True:
+                    o = eng.wait(rid, 0.5, trial % 2 == 0)
+                    got[name] += list(o.tokens)
+                    if o.finish_reason is not None:
+                        ends.append((name, o.finish_reason))
+                        return
+            except ValueError as e:
+                assert "finished" in str(e), e
+                ends.append((name, "taken"))
+
+        b = threading.Thread(target=waiter, args=("B",))
+        b.start()
+        waiter("A")
+        rid2 = eng.submit(p, opts)  # may reuse the memory of rid's channel
+        b.join(timeout=30)
+        assert not b.is_alive()
+        assert sorted(r for _, r in ends) == ["length", "taken"], ends
+        assert len(got["A"]) + len(got["B"]) == n
+        out2 = []
+        while True:
+            o = eng.wait(rid2, 5.0)
+            out2 += list(o.tokens)
+            if o.finish_reason is not None:
+                assert o.finish_reason == "length"
+                break
+        assert out2 == ref, f"trial {trial}"
+
+
+def test_cancelled_astream_leaves_later_requests_whole(build, fresh_gen, idle):
+    """Cancelling an astream while its worker thread waits on the request (the task's finally cancels from the
+    event loop's thread): later requests still get all their tokens, and everything is freed."""
+    import asyncio
+
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=4, max_model_len=512)
+    (p, q) = M.pick_prompts(folder, seed=410, lengths=[30, 6], max_new=30)
+    ref = M.hf_greedy(folder, q, 30)
+
+    async def consume(started):
+        async for _ in gen.astream(p, max_tokens=480, **GREEDY):
+            started.set()
+
+    async def main():
+        for _ in range(6):
+            started = asyncio.Event()
+            task = asyncio.create_task(consume(started))
+            await started.wait()  # its worker thread now waits for the next token
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            (c,) = gen.generate([q], max_tokens=30, **GREEDY)
+            assert c.token_ids == ref and c.finish_reason == "length"
+
+    asyncio.run(main())
+    s = idle(gen)
+    assert s["free_pages"] == s["total_pages"] and s["running"] == 0 and s["waiting"] == 0, s
+
+
+def test_stats_after_cancels_of_waiting_requests_and_after_close(build, fresh_gen, idle):
+    """Requests cancelled before the engine's loop takes them leave no count behind, and the engine's stats
+    after close show nothing running or waiting and every page free."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=256)
+    (p,) = M.pick_prompts(folder, seed=420, lengths=[20], max_new=8)
+    for _ in range(100):
+        gen.submit(p, max_tokens=100, **GREEDY).cancel()
+    s = idle(gen)
+    assert s["waiting"] == 0 and s["running"] == 0 and s["free_pages"] == s["total_pages"], s
+    reqs = [gen.submit(p, max_tokens=200, **GREEDY) for _ in range(4)]  # 2 run, 2 wait
+    next(iter(reqs[0]))
+    eng = gen._engine
+    gen.close()
+    s = eng.stats()
+    assert s["waiting"] == 0 and s["running"] == 0, s
+    assert s["free_pages"] == s["total_pages"] and s["free_slots"] == s["total_slots"], s
+
+
+def test_kv_cache_of_one_page_takes_a_request_that_fills_it(build, fresh_gen):
+    """The last sampled token is never fed, so prompt + max_tokens - 1 rows must fit the pool (not + max_tokens):
+    a 16-token prompt and one new token run in a 16-token pool; two new tokens are refused."""
+    folder = build("qwen3_gqa4")
+    gen = fresh_gen(folder, max_batch_size=1, max_model_len=64, kv_cache_memory=M.kv_bytes(folder, 1, 16))
+    assert gen.stats()["total_pages"] == 1
+    (p,) = M.pick_prompts(folder, seed=430, lengths=[16], max_new=1)
+    (c,) = gen.generate([p], max_tokens=1, **GREEDY)
+    assert c.token_ids == M.hf_greedy(folder, p, 1)
+    with pytest.raises(ValueError, match="KV cache"):
+        gen.generate([p], max_tokens=2, **GREEDY)

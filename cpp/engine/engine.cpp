@@ -461,8 +461,9 @@ int64_t Engine::submit(const std::vector<int32_t>& prompt, const SamplingOptions
                 " tokens; max_model_len is ", m.opt.max_model_len);
   QRT_CHECK_ARG(total <= m.opt.max_model_len, "prompt (", prompt.size(), " tokens) + max_tokens (", o.max_tokens,
                 ") = ", total, " exceeds max_model_len ", m.opt.max_model_len);
+  // The KV cache holds every token that is fed: the prompt and all outputs but the last (sampled, never fed).
   const int64_t cap = int64_t(m.sched->total_pages()) * m.opt.page_size;
-  QRT_CHECK_ARG(total <= cap, "prompt + max_tokens = ", total, " tokens exceeds the KV cache (", cap,
+  QRT_CHECK_ARG(total - 1 <= cap, "prompt + max_tokens - 1 = ", total - 1, " tokens exceeds the KV cache (", cap,
                 " tokens); raise kv_cache_memory");
   std::lock_guard<std::mutex> lk(m.mu);
   if (m.closed) throw std::runtime_error("the engine is closed");
@@ -488,6 +489,7 @@ void Engine::cancel(int64_t id) {
     if ((*it)->id == id) {
       auto r = std::move(*it);
       m.incoming.erase(it);
+      m.snapshot.waiting--;  // submit's count (the loop has not seen it)
       m.finish(std::move(r), Finish::Cancelled);
       m.out_cv.notify_all();
       return;
@@ -499,11 +501,16 @@ void Engine::cancel(int64_t id) {
 RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lk(m.mu);
-  auto it = m.channels.find(id);
-  QRT_CHECK_ARG(it != m.channels.end(), "unknown or finished request id ", id);
+  QRT_CHECK_ARG(m.channels.count(id), "unknown or finished request id ", id);
+  // The channel is looked up again after every wake (ids are never reused): another thread waiting on the same
+  // id may have taken the request's end and erased it.
   m.out_cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), [&] {
-    return it->second.finish != Finish::None || (!until_finished && !it->second.tokens.empty());
+    const auto c = m.channels.find(id);
+    return c == m.channels.end() || c->second.finish != Finish::None ||
+           (!until_finished && !c->second.tokens.empty());
   });
+  const auto it = m.channels.find(id);
+  QRT_CHECK_ARG(it != m.channels.end(), "request id ", id, " finished while waiting: another wait took its end");
   RequestOutput o = std::move(it->second);
   it->second = RequestOutput{};
   it->second.top_n = o.top_n;
@@ -535,6 +542,7 @@ void Engine::close() {
       m.finish(std::move(m.incoming.front()), Finish::Cancelled);
       m.incoming.pop_front();
     }
+    if (m.sched) m.update_snapshot();  // the loop has stopped: stats() says that nothing runs or waits
     m.out_cv.notify_all();
   }
   // Free device memory rank by rank on each rank's own thread, then the threads.

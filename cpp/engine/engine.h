@@ -51,7 +51,8 @@ class Engine {
   void cancel(int64_t id);
   // Waits up to timeout_s for new output of request id (until_finished: for its end, so a consumer that
   // wants only the result is not woken for every token) and returns what arrived (possibly nothing).
-  // Once the returned output carries a finish reason the id is forgotten.
+  // Once the returned output carries a finish reason the id is forgotten. Several threads may wait on one id:
+  // each output goes to one of them, and a waiter whose id another took the end of gets std::invalid_argument.
   RequestOutput wait(int64_t id, double timeout_s, bool until_finished = false);
   EngineStats stats() const;
   // Stops the loop, finishes pending requests as cancelled, frees every device byte. Idempotent.

@@ -87,7 +87,9 @@ class Request:
         self._detok = IncrementalDetokenizer(gen.tokenizer) if gen.tokenizer is not None else None
         stops = params.stop_strings()
         self._stop = StopMatcher(stops) if stops else None
-        self._lock = threading.Lock()
+        # Held around every engine wait on this request: a consumer (result, iteration) and cancel() from another
+        # thread (an asyncio task's cancellation, a close) take its outputs in turn, never both at once.
+        self._lock = threading.RLock()
 
     @property
     def finished(self) -> bool:
@@ -96,6 +98,10 @@ class Request:
     def _poll(self, timeout: float, until_finished: bool = False) -> Delta | None:
         """Fetches what the engine produced; returns a Delta, or None if nothing came within timeout.
         until_finished: wait for the end of the request rather than for each token."""
+        with self._lock:
+            return self._poll_locked(timeout, until_finished)
+
+    def _poll_locked(self, timeout: float, until_finished: bool) -> Delta | None:
         if self.finished:
             return None
         out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
@@ -179,14 +185,16 @@ class Request:
         if self.finished:
             return
         self._gen._engine_call("cancel", self._rid)
-        try:
-            while not self.finished:
-                out = self._gen._engine_call("wait", self._rid, _POLL_S)
-                self.token_ids.extend(out.tokens)
-                if out.finish_reason is not None:
-                    self.finish_reason = "cancelled" if out.finish_reason in ("cancelled", "error") else out.finish_reason
-        except (ValueError, RuntimeError):
-            self.finish_reason = "cancelled"
+        with self._lock:
+            try:
+                while not self.finished:
+                    out = self._gen._engine_call("wait", self._rid, _POLL_S)
+                    self.token_ids.extend(out.tokens)
+                    if out.finish_reason is not None:
+                        self.finish_reason = ("cancelled" if out.finish_reason in ("cancelled", "error")
+                                              else out.finish_reason)
+            except (ValueError, RuntimeError):
+                self.finish_reason = "cancelled"
 
 
 class Generator:
