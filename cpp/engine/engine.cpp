@@ -43,11 +43,17 @@ class RankWorker {
     error_ = nullptr;
     cv_.notify_all();
   }
+  // Waits for the job; throws its exception, or after timeout_s (the job still runs: see join).
   void wait(double timeout_s) {
     std::unique_lock<std::mutex> lk(m_);
     QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
               "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
     if (error_) std::rethrow_exception(error_);
+  }
+  // Waits for the job without a limit (its outcome was reported by wait already).
+  void join() {
+    std::unique_lock<std::mutex> lk(m_);
+    cv_.wait(lk, [&] { return done_; });
   }
 
  private:
@@ -117,12 +123,21 @@ struct Engine::Impl {
     } catch (...) {
       err = std::current_exception();
     }
+    bool late = false;
     for (size_t r = 1; r < ranks.size(); ++r) {
       try {
         workers[r - 1]->wait(opt.comm_timeout_s);
       } catch (...) {
         if (!err) err = std::current_exception();
+        late = true;
       }
+    }
+    if (late) {
+      // A rank outlived the timeout, and its job refers to the caller's frame: end the collectives it may wait
+      // in, and return only once every job is over.
+      for (auto& rk : ranks)
+        if (rk.comm) rk.comm->abort();
+      for (auto& w : workers) w->join();
     }
     if (err) std::rethrow_exception(err);
   }
@@ -143,6 +158,9 @@ struct Engine::Impl {
   std::unique_ptr<Flight> launch(Plan plan);
   void complete(std::unique_ptr<Flight> f);
   void publish_token(Request& r, const SampleResult& res, int row);
+  // The request's end in its channel (under mu).
+  void end_channel(const Request& r, Finish f, const std::string& error = "");
+  // end_channel, and the request kept until the step in flight is done (loop thread, or the loop stopped).
   void finish(std::unique_ptr<Request> r, Finish f, const std::string& error = "");
   void fail_all(const std::string& msg);
   void update_snapshot();
@@ -266,11 +284,15 @@ void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
   }
 }
 
-void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
-  RequestOutput& o = channels[r->id];
+void Engine::Impl::end_channel(const Request& r, Finish f, const std::string& error) {
+  RequestOutput& o = channels[r.id];
   o.finish = f;
   o.error = error;
-  o.top_n = r->opts.logprobs;
+  o.top_n = r.opts.logprobs;
+}
+
+void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
+  end_channel(*r, f, error);
   r->finished = true;
   if (launched) launched->retired.push_back(std::move(r));  // the step in flight may refer to it
 }
@@ -487,10 +509,11 @@ void Engine::cancel(int64_t id) {
   if (!m.channels.count(id)) return;  // finished already (or unknown): nothing to do
   for (auto it = m.incoming.begin(); it != m.incoming.end(); ++it)
     if ((*it)->id == id) {
-      auto r = std::move(*it);
+      // Not in any step (the loop has not taken it): its end goes to the channel, without `launched`, which
+      // only the loop thread touches.
+      m.end_channel(**it, Finish::Cancelled);
       m.incoming.erase(it);
-      m.snapshot.waiting--;  // submit's count (the loop has not seen it)
-      m.finish(std::move(r), Finish::Cancelled);
+      m.snapshot.waiting--;  // submit's count
       m.out_cv.notify_all();
       return;
     }

@@ -93,9 +93,11 @@ Plan Scheduler::plan() {
     const int cap = (int(slots_[r->slot].pages.size()) + pool_.free_count()) * ps - r->computed;
     if (cap < n && cap >= 1 && n > 1) n = cap;  // a prefill chunk shrinks to what fits
     if (!ensure_pages(*r, r->computed + n)) {
-      Request* victim = running_.back().get();
-      preempt(victim);  // the newest, possibly r itself
-      continue;         // retry r (or stop if r was the last)
+      // The newest request that is not finishing (possibly r itself): one whose last token is being sampled
+      // frees its pages at the end of that step anyway.
+      auto victim = std::find_if(running_.rbegin(), running_.rend(), [](auto& q) { return !q->finishing; });
+      preempt(victim->get());
+      continue;  // retry r (or stop if r was the last)
     }
     p.seqs.push_back({r, r->computed, n, r->computed + n == r->length()});
     budget -= n;
