@@ -2,6 +2,7 @@
 the TP=1 greedy tokens in fp32, whatever the KV heads per rank; batching and preemption under TP."""
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -99,3 +100,25 @@ def test_tp_dummy_weights_same_model(build, fresh_gen, tp):
         assert g.token_ids == r.token_ids or min(
             abs(a - b) for d in r.logprobs for a in d.values() for b in d.values() if a != b) < 1e-4
         assert g.token_ids[0] == r.token_ids[0]
+
+
+
+def test_tp_comm_timeout_bounds_steps_not_loading(build):
+    """comm_timeout bounds a step (its collectives and device work), not the load: ranks that take longer than
+    it to load still start. A step then either runs or fails with an error naming the bound (the ranks may
+    finish within a microsecond of each other, or not), and close() returns either way."""
+    import qwen_rt
+    folder = build("qwen3_mha_untied")
+    g = qwen_rt.Generator(str(folder), device="cpu", dtype="float32", tensor_parallel_size=2, progress=False,
+                          kv_cache_memory=1 << 20, comm_timeout=1e-6)
+    try:
+        for _ in range(3):
+            try:
+                (c,) = g.generate([[1, 2, 3, 4]], max_tokens=8, **GREEDY)
+                assert len(c.token_ids) == 8
+            except RuntimeError as e:
+                assert re.search("within|aborted|failed|timed out|closed", str(e)), e
+    finally:
+        t = time.perf_counter()
+        g.close()
+        assert time.perf_counter() - t < 10

@@ -9,6 +9,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -43,11 +44,14 @@ class RankWorker {
     error_ = nullptr;
     cv_.notify_all();
   }
-  // Waits for the job; throws its exception, or after timeout_s (the job still runs: see join).
+  // Waits for the job (timeout_s infinite: without a limit); throws its exception, or after timeout_s (the job
+  // still runs: see join).
   void wait(double timeout_s) {
     std::unique_lock<std::mutex> lk(m_);
-    QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
-              "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
+    if (std::isinf(timeout_s)) cv_.wait(lk, [&] { return done_; });
+    else
+      QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
+                "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
     if (error_) std::rethrow_exception(error_);
   }
   // Waits for the job without a limit (its outcome was reported by wait already).
@@ -115,7 +119,11 @@ struct Engine::Impl {
   EngineStats snapshot;
   std::thread loop_thread;
 
-  void on_ranks(const std::function<void(int, Rank&)>& fn) {
+  // Runs fn on every rank at once (rank 0 on this thread) and waits for all; a rank that takes longer than
+  // timeout_s (default comm_timeout_s: a step's bound) is an error.
+  static constexpr double kNoLimit = std::numeric_limits<double>::infinity();
+  void on_ranks(const std::function<void(int, Rank&)>& fn, double timeout_s = -1) {
+    if (timeout_s < 0) timeout_s = opt.comm_timeout_s;
     for (size_t r = 1; r < ranks.size(); ++r) workers[r - 1]->post([&fn, this, r] { fn(int(r), ranks[r]); });
     std::exception_ptr err;
     try {
@@ -126,7 +134,7 @@ struct Engine::Impl {
     bool late = false;
     for (size_t r = 1; r < ranks.size(); ++r) {
       try {
-        workers[r - 1]->wait(opt.comm_timeout_s);
+        workers[r - 1]->wait(timeout_s);
       } catch (...) {
         if (!err) err = std::current_exception();
         late = true;
@@ -193,9 +201,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   const int cores = opt.num_threads > 0 ? opt.num_threads : cpu_cores();
   // The CPU keeps 16-bit weights' K/V in their dtype (as transformers does), others in fp32.
   const DType cpu_kv = wdt == DType::BF16 || wdt == DType::F16 ? wdt : DType::F32;
+  // Loading takes as long as it takes (comm_timeout_s bounds steps, and the collective that starts NCCL).
   on_ranks([&](int r, Rank& rk) {
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n), cpu_kv);
-  });
+  }, kNoLimit);
   const DType kvdt = ranks[0].be->kv_dtype();
   // Communicators.
   QRT_CHECK_ARG(opt.comm == "auto" || (opt.comm == "nccl" && cuda), "comm must be 'auto', or 'nccl' on CUDA, got '",
@@ -219,7 +228,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   on_ranks([&](int r, Rank& rk) {
     WeightSpec ws{files.get(), opt.seed, wdt};
     rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
-  });
+  }, kNoLimit);
   // KV pool: the same number of pages on every rank.
   const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), kvdt);
   // Memory free now on the rank with the least (CPU ranks share one memory).
@@ -248,7 +257,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   on_ranks([&](int, Rank& rk) {
     rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), kvdt);
     rk.be->synchronize();
-  });
+  }, kNoLimit);
   SchedulerOptions so;
   so.max_batch_size = opt.max_batch_size;
   so.max_num_batched_tokens = opt.max_num_batched_tokens;
