@@ -201,7 +201,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   const int cores = opt.num_threads > 0 ? opt.num_threads : cpu_cores();
   // The CPU keeps 16-bit weights' K/V in their dtype (as transformers does), others in fp32.
   const DType cpu_kv = wdt == DType::BF16 || wdt == DType::F16 ? wdt : DType::F32;
-  // Loading takes as long as it takes (comm_timeout_s bounds steps, and the collective that starts NCCL).
+  // Loading takes as long as it takes (comm_timeout_s bounds steps).
   on_ranks([&](int r, Rank& rk) {
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n), cpu_kv);
   }, kNoLimit);
@@ -217,7 +217,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   } else {
     char id[128];
     nccl_unique_id(id);
-    on_ranks([&](int r, Rank& rk) { rk.comm = make_nccl_comm(*rk.be, id, r, n); });
+    on_ranks([&](int r, Rank& rk) { rk.comm = make_nccl_comm(*rk.be, id, r, n); }, kNoLimit);
   }
   // Models: every rank loads its shard at once.
   Limits lim;
