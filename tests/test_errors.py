@@ -58,6 +58,7 @@ BAD_REQUESTS = [
      r"(?i)max_model_len|max_tokens"),
     ("temperature-negative", lambda v: [5], {"temperature": -0.5}, ValueError, r"temperature"),
     ("temperature-nan", lambda v: [5], {"temperature": math.nan}, ValueError, r"temperature"),
+    ("temperature-tiny", lambda v: [5], {"temperature": 1e-39}, ValueError, r"temperature"),
     ("top-p-zero", lambda v: [5], {"top_p": 0.0}, ValueError, r"top_p"),
     ("top-p-big", lambda v: [5], {"top_p": 1.5}, ValueError, r"top_p"),
     ("top-k-negative", lambda v: [5], {"top_k": -1}, ValueError, r"top_k"),

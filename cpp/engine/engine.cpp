@@ -478,6 +478,9 @@ int64_t Engine::submit(const std::vector<int32_t>& prompt, const SamplingOptions
   QRT_CHECK_ARG(o.max_tokens >= 1, "max_tokens must be >= 1, got ", o.max_tokens);
   QRT_CHECK_ARG(o.min_tokens >= 0 && o.min_tokens <= o.max_tokens, "min_tokens must be in [0, max_tokens]");
   QRT_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "temperature must be >= 0, got ", o.temperature);
+  // 1 / temperature scales the logits in fp32: below 1e-6 it overflows them (use 0 for greedy).
+  QRT_CHECK_ARG(o.temperature == 0 || o.temperature >= 1e-6f, "temperature must be 0 (greedy) or >= 1e-6, got ",
+                o.temperature);
   QRT_CHECK_ARG(o.top_k >= 0, "top_k must be >= 0 (0 turns it off), got ", o.top_k);
   QRT_CHECK_ARG(o.top_p > 0 && o.top_p <= 1, "top_p must be in (0, 1], got ", o.top_p);
   QRT_CHECK_ARG(o.min_p >= 0 && o.min_p <= 1, "min_p must be in [0, 1], got ", o.min_p);
