@@ -45,7 +45,7 @@ class RankWorker {
     cv_.notify_all();
   }
   // Waits for the job (timeout_s infinite: without a limit); throws its exception, or after timeout_s (the job
-  // still runs: see join).
+  // still runs).
   void wait(double timeout_s) {
     std::unique_lock<std::mutex> lk(m_);
     if (std::isinf(timeout_s)) cv_.wait(lk, [&] { return done_; });
@@ -53,11 +53,6 @@ class RankWorker {
       QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
                 "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
     if (error_) std::rethrow_exception(error_);
-  }
-  // Waits for the job without a limit (its outcome was reported by wait already).
-  void join() {
-    std::unique_lock<std::mutex> lk(m_);
-    cv_.wait(lk, [&] { return done_; });
   }
 
  private:
@@ -145,7 +140,12 @@ struct Engine::Impl {
       // in, and return only once every job is over.
       for (auto& rk : ranks)
         if (rk.comm) rk.comm->abort();
-      for (auto& w : workers) w->join();
+      for (auto& w : workers) {
+        try {
+          w->wait(kNoLimit);
+        } catch (...) {  // the first error is reported already
+        }
+      }
     }
     if (err) std::rethrow_exception(err);
   }
