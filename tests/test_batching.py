@@ -1,7 +1,9 @@
 """Continuous batching: concurrency, preemption, cancellation, batch invariance (CPU, fp32)."""
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -314,3 +316,63 @@ def test_kv_cache_of_one_page_takes_a_request_that_fills_it(build, fresh_gen):
     assert c.token_ids == M.hf_greedy(folder, p, 1)
     with pytest.raises(ValueError, match="KV cache"):
         gen.generate([p], max_tokens=2, **GREEDY)
+
+
+def test_cancel_keeps_text_and_logprobs_with_the_tokens(build, fresh_gen, idle):
+    """cancel() takes what is still in the engine the way result() does: token_ids, text and logprobs describe
+    the same tokens, whether the request was running or had already ended (then its own reason stays)."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=512)
+    (p,) = M.pick_prompts(folder, seed=420, lengths=[12], max_new=8)
+    ref = M.hf_greedy(folder, p, 8)
+
+    r = gen.submit(p, max_tokens=480, logprobs=2, **GREEDY)
+    it = iter(r)
+    first = next(it)
+    time.sleep(0.05)  # more tokens wait in the engine, untaken
+    r.cancel()
+    c = r.result()
+    assert c.finish_reason in ("cancelled", "length")  # a fast machine may have reached max_tokens
+    assert len(c.token_ids) > len(first.token_ids)
+    assert c.token_ids[:8] == ref[:min(8, len(c.token_ids))]
+    assert len(c.logprobs) == len(c.token_ids)
+    assert c.text == gen.tokenizer.decode(c.token_ids)
+
+    r = gen.submit(p, max_tokens=8, logprobs=2, **GREEDY)
+    idle(gen)  # it has ended by length; nothing of it was taken yet
+    r.cancel()
+    c = r.result()
+    assert c.finish_reason == "length" and c.token_ids == ref
+    assert len(c.logprobs) == 8 and c.text == gen.tokenizer.decode(ref)
+
+
+def test_dropped_request_stops_and_leaves_nothing_behind(build, fresh_gen, idle):
+    """A Request dropped unfinished (neither result() nor cancel()) is stopped, its slot and pages are freed, and
+    the engine keeps none of its output (wait on its id is refused); others are unaffected."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=512)
+    (p,) = M.pick_prompts(folder, seed=430, lengths=[10], max_new=6)
+    ref = M.hf_greedy(folder, p, 6)
+    eng = gen._engine
+    steps = gen.stats()["steps"]
+    ids = []
+    for _ in range(3):  # 2 slots: one of them still waits when dropped
+        r = gen.submit(p, max_tokens=480, **GREEDY)
+        ids.append(r._rid)
+        del r
+    gc.collect()
+    s = idle(gen)
+    assert s["free_slots"] == s["total_slots"] and s["free_pages"] == s["total_pages"], s
+    assert s["steps"] - steps < 100, s  # run to the end, the three would take over 900 steps
+    for rid in ids:
+        with pytest.raises(ValueError, match="unknown or finished"):
+            eng.wait(rid, 0.0)
+    # Dropped after it ended: its stored output goes too.
+    r = gen.submit(p, max_tokens=6, **GREEDY)
+    rid = r._rid
+    idle(gen)
+    del r
+    with pytest.raises(ValueError, match="unknown or finished"):
+        eng.wait(rid, 0.0)
+    (c,) = gen.generate([p], max_tokens=6, **GREEDY)
+    assert c.token_ids == ref

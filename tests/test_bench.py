@@ -20,16 +20,6 @@ def test_side_by_side_takes_the_fastest_transformers_run_of_each_batch():
     assert rows[0]["qwen_rt_e2e_tok_s"] == 240.0 and rows[0]["transformers_e2e_tok_s"] == 120.0
 
 
-def test_cli_info_prints_its_table(capsys):
-    """`qwen-rt info`: the version, the native module, the CUDA backend's state and the packaged configs."""
-    from qwen_rt import cli
-
-    assert cli.main(["info"]) == 0
-    out = capsys.readouterr().out
-    for item in ("version", "native module", "CUDA backend", "CUDA devices", "packaged configs", "qwen3-8b"):
-        assert item in out, item
-
-
 def test_logprob_error_compares_the_tokens_in_both_top_lists():
     import numpy as np
 

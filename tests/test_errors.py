@@ -67,6 +67,15 @@ BAD_REQUESTS = [
     ("repetition-penalty-zero", lambda v: [5], {"repetition_penalty": 0.0}, ValueError,
      r"repetition_penalty"),
     ("logprobs-negative", lambda v: [5], {"logprobs": -1}, ValueError, r"logprobs"),
+    # Values Python holds but the engine's int32 / float32 cannot: refused in the library's words.
+    ("top-k-int32", lambda v: [5], {"top_k": 2**31}, ValueError, r"top_k must be <= 2147483647"),
+    ("max-tokens-int32", lambda v: [5], {"max_tokens": 2**40}, ValueError, r"max_tokens must be <= 2147483647"),
+    ("seed-uint64", lambda v: [5], {"seed": 2**64}, ValueError, r"seed must be < 2\*\*63"),
+    ("temperature-huge-int", lambda v: [5], {"temperature": 10**400}, ValueError,
+     r"temperature is too large .*float32.*401 digits"),
+    ("temperature-float32-inf", lambda v: [5], {"temperature": 1e39}, ValueError, r"temperature is too large .*float32"),
+    ("penalty-float32-inf", lambda v: [5], {"presence_penalty": -1e39}, ValueError, r"presence_penalty .*float32"),
+    ("top-p-float32-zero", lambda v: [5], {"top_p": 1e-50}, ValueError, r"top_p must be > 0, got 1e-50 \(0.0 in float32\)"),
     ("unknown-keyword", lambda v: [5], {"bogus_option": 1}, TypeError, r"bogus_option"),
     ("prompt-float", lambda v: 3.5, {}, TypeError, r"(?i)prompt|float"),
     ("prompt-float-ids", lambda v: [1.0, 2.0], {}, TypeError, r"(?i)prompt|int|float"),
@@ -196,6 +205,11 @@ def test_bad_generator_arguments(folder):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {"max_batch_size": 0})
     with pytest.raises(ValueError, match="load_format"):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2, load_format="magic"))
+    # Beyond the engine's int32 (uint64 for the seed): ValueError naming the limit, not nanobind's TypeError.
+    for name, bad in (("max_batch_size", 2**31), ("page_size", 2**31), ("num_threads", 2**40), ("seed", 2**64),
+                      ("max_model_len", 2**31), ("kv_cache_memory", 2**63)):
+        with pytest.raises(ValueError, match=name):
+            qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {name: bad})
     for bad, err in ((0, ValueError), (float("nan"), ValueError), ("10", TypeError)):
         with pytest.raises(err, match="comm_timeout"):
             qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2), comm_timeout=bad)

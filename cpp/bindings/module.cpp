@@ -124,6 +124,7 @@ NB_MODULE(_core, m) {
            "config"_a, "tensors"_a, "options"_a, "progress"_a = nb::none())
       .def("submit", &Engine::submit, "prompt"_a, "sampling"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("cancel", &Engine::cancel, "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("release", &Engine::release, "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("wait", &Engine::wait, "request_id"_a, "timeout_s"_a, "until_finished"_a = false,
            nb::call_guard<nb::gil_scoped_release>())
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())

@@ -108,6 +108,7 @@ struct Engine::Impl {
   std::deque<std::unique_ptr<Request>> incoming;
   std::vector<int64_t> cancels;
   std::map<int64_t, RequestOutput> channels;  // pending output of live requests
+  std::set<int64_t> released;                  // ids whose output nobody takes: no channel, dropped at the end
   bool stop = false, closed = false;
   std::string failed;
   int64_t next_id = 1;
@@ -283,6 +284,7 @@ void Engine::Impl::update_snapshot() {
 }
 
 void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
+  if (released.count(r.id)) return;
   RequestOutput& o = channels[r.id];
   o.tokens.push_back(res.tokens[row]);
   o.logprobs.push_back(res.logprobs[row]);
@@ -294,6 +296,7 @@ void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
 }
 
 void Engine::Impl::end_channel(const Request& r, Finish f, const std::string& error) {
+  if (released.erase(r.id)) return;
   RequestOutput& o = channels[r.id];
   o.finish = f;
   o.error = error;
@@ -531,6 +534,18 @@ void Engine::cancel(int64_t id) {
     }
   m.cancels.push_back(id);
   m.work_cv.notify_all();
+}
+
+void Engine::release(int64_t id) {
+  Impl& m = *impl_;
+  cancel(id);
+  std::lock_guard<std::mutex> lk(m.mu);
+  const auto it = m.channels.find(id);
+  if (it == m.channels.end()) return;  // ended and taken already, or unknown
+  const bool ended = it->second.finish != Finish::None;
+  m.channels.erase(it);
+  if (!ended) m.released.insert(id);  // the loop ends it soon (the cancel above) and forgets the id then
+  m.out_cv.notify_all();              // a waiter on the id (there should be none) learns it is gone
 }
 
 RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {

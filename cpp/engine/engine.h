@@ -49,6 +49,9 @@ class Engine {
   // Validates and queues a request; throws std::invalid_argument for bad input.
   int64_t submit(const std::vector<int32_t>& prompt, const SamplingOptions& opts);
   void cancel(int64_t id);
+  // cancel, and nobody will wait for the output: the engine drops it, and the id's channel goes when the request
+  // ends (a request whose handle was dropped unfinished). wait on a released id is an error.
+  void release(int64_t id);
   // Waits up to timeout_s for new output of request id (until_finished: for its end, so a consumer that
   // wants only the result is not woken for every token) and returns what arrived (possibly nothing).
   // Once the returned output carries a finish reason the id is forgotten. Several threads may wait on one id:

@@ -109,6 +109,9 @@ def _cmd_generate(args) -> int:
         sampling["stop"] = list(args.stop)
     if args.ignore_eos:
         sampling["ignore_eos"] = True
+    # Bad sampling flags fail before the model loads (the vocabulary-bound checks wait for the model).
+    from qwen_rt.sampling import INT32_MAX, SamplingParams
+    SamplingParams().replace(**sampling).resolved({}).validate(INT32_MAX)
 
     t_load = time.perf_counter()
     with Generator(args.model, **gen_kwargs) as gen:
@@ -238,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # bad input, named by the library
         print(f"qwen-rt: error: {e}", file=sys.stderr)
         return 1
 

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 from . import _core
 from .config import FLOAT_DTYPES, native_config
 from .model_files import resolve, text_config
-from .sampling import Completion, Delta, SamplingParams
+from .sampling import INT32_MAX, Completion, Delta, SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 __all__ = ["Generator", "Request"]
@@ -104,7 +104,11 @@ class Request:
     def _poll_locked(self, timeout: float, until_finished: bool) -> Delta | None:
         if self.finished:
             return None
-        out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
+        return self._take(self._gen._engine_call("wait", self._rid, timeout, until_finished))
+
+    def _take(self, out) -> Delta | None:
+        """Adds one engine output (tokens, logprobs, maybe the end) to the request: token_ids, text and logprobs
+        always grow together. Returns the Delta, or None for an empty output. Call with the lock held."""
         if out.error:
             self.finish_reason = "error"
             raise RuntimeError(out.error)
@@ -182,19 +186,32 @@ class Request:
                           prompt_token_ids=list(self.prompt_token_ids), logprobs=self.logprobs)
 
     def cancel(self) -> None:
+        """Stops the request; what it produced until then stays in token_ids, text and logprobs. A request that
+        had already ended keeps its own finish reason."""
         if self.finished:
             return
-        self._gen._engine_call("cancel", self._rid)
+        try:  # before the lock: a thread holding it in a wait is woken by the end
+            self._gen._engine_call("cancel", self._rid)
+        except RuntimeError:  # the Generator is closed
+            pass
         with self._lock:
             try:
                 while not self.finished:
-                    out = self._gen._engine_call("wait", self._rid, _POLL_S)
-                    self.token_ids.extend(out.tokens)
-                    if out.finish_reason is not None:
-                        self.finish_reason = ("cancelled" if out.finish_reason in ("cancelled", "error")
-                                              else out.finish_reason)
-            except (ValueError, RuntimeError):
+                    self._take(self._gen._engine_call("wait", self._rid, _POLL_S))
+            except (ValueError, RuntimeError):  # an error end, a closed Generator, or the id taken by another wait
+                pass
+            if self.finish_reason in (None, "error"):
                 self.finish_reason = "cancelled"
+
+    def __del__(self):
+        # Dropped unfinished (no result(), no cancel()): the engine stops it and keeps none of its output.
+        if getattr(self, "finish_reason", "") is None:
+            engine = self._gen._engine
+            if engine is not None:
+                try:
+                    engine.release(self._rid)
+                except Exception:
+                    pass
 
 
 class Generator:
@@ -224,14 +241,17 @@ class Generator:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+            hi = 2**64 - 1 if name == "seed" else INT32_MAX  # the engine's uint64 / int32
+            if v > hi:
+                raise ValueError(f"{name} must be <= {hi}, got {v}")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
             raise TypeError("max_model_len must be an int or None")
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if max_model_len is not None and not 2 <= max_model_len <= INT32_MAX:
+            raise ValueError(f"max_model_len must be in [2, {INT32_MAX}], got {max_model_len}")
         if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int)):
             raise TypeError("kv_cache_memory must be an int (bytes) or None")
-        if kv_cache_memory is not None and kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be > 0")
+        if kv_cache_memory is not None and not 0 < kv_cache_memory < 2**63:
+            raise ValueError(f"kv_cache_memory must be in (0, 2**63) bytes, got {kv_cache_memory}")
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if load_format not in ("auto", "dummy"):

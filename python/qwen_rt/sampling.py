@@ -3,11 +3,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass, field, fields
 
 __all__ = ["SamplingParams", "Completion", "Delta"]
 
 DEFAULT_MAX_TOKENS = 256
+INT32_MAX = 2**31 - 1
+
+
+def _float32(name: str, v) -> float:
+    """v rounded to float32 (the engine's type); ValueError when it does not fit."""
+    try:
+        x = struct.unpack("f", struct.pack("f", float(v)))[0]
+    except OverflowError:
+        x = math.inf
+    if math.isinf(x):
+        try:
+            shown = f"{v:.6g}"
+        except OverflowError:  # an int beyond even float64
+            shown = f"an int of {len(str(abs(v)))} digits"
+        raise ValueError(f"{name} is too large in magnitude for float32 (about 3.4e38), got {shown}")
+    return x
 
 
 @dataclass
@@ -58,10 +75,15 @@ class SamplingParams:
                 raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(v).__name__}")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v}")
-            if lo is not None and (v <= lo if lo_open else v < lo):
-                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
-            if hi is not None and (v >= hi if hi_open else v > hi):
-                raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {v}")
+            # The engine holds it as an int32 or a float32: the bounds are checked on that value.
+            if integer and name != "seed" and v > INT32_MAX:
+                raise ValueError(f"{name} must be <= {INT32_MAX}, got {v}")
+            x = v if integer else _float32(name, v)
+            shown = f"{v}" if x == v or integer else f"{v} ({x} in float32)"
+            if lo is not None and (x <= lo if lo_open else x < lo):
+                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {shown}")
+            if hi is not None and (x >= hi if hi_open else x > hi):
+                raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {shown}")
 
         number("max_tokens", lo=1, integer=True)
         number("min_tokens", lo=0, integer=True)

@@ -1,0 +1,59 @@
+"""The command line: `qwen-rt` and `python -m qwen_rt` (the same parser), its tables and its errors."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import models as M
+from qwen_rt import cli
+
+
+def test_cli_info_prints_its_table(capsys):
+    """`qwen-rt info`: the version, the native module, the CUDA backend's state and the packaged configs."""
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for item in ("version", "native module", "CUDA backend", "CUDA devices", "packaged configs", "qwen3-8b"):
+        assert item in out, item
+
+
+def test_python_m_qwen_rt_runs_the_cli():
+    r = subprocess.run([sys.executable, "-m", "qwen_rt", "info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "packaged configs" in r.stdout
+
+
+def test_cli_generate_and_its_errors(build, capsys):
+    """A greedy run prints the model's tokens; a value the engine cannot hold is one line naming it, exit code 1,
+    not a traceback."""
+    folder = build("qwen3_gqa2_tied")
+    (p,) = M.pick_prompts(folder, seed=700, lengths=[8], max_new=5)
+    base = ["generate", "-", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+            "--max-batch-size", "2", "--max-tokens", "5", "--temperature", "0", "--ignore-eos"]
+    from qwen_rt.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(folder)
+    prompt = tok.decode(p)
+    ids = tok.encode(prompt)
+    ref = M.hf_greedy(folder, ids, 5)
+
+    def run(extra):
+        stdin, sys.stdin = sys.stdin, io.StringIO(prompt)
+        try:
+            return cli.main(base + extra)
+        finally:
+            sys.stdin = stdin
+
+    assert run([]) == 0
+    out, err = capsys.readouterr()
+    assert out == tok.decode(ref) + "\n"
+    assert "output tokens" in err and "finish reason" in err
+    # Sampling flags fail before loading (no progress bar); Generator arguments once it starts.
+    for bad, name, loads in ((["--top-k", str(2**31)], "top_k", False), (["--temperature", "1e39"], "temperature", False),
+                             (["--max-batch-size", str(2**31)], "max_batch_size", False),
+                             (["--logprobs", "100000"], "logprobs", True)):
+        assert run(bad) == 1
+        err = capsys.readouterr().err
+        assert ("loading weights" in err) == loads, err
+        assert err.splitlines()[-1].split("\r")[-1].startswith("qwen-rt: error: ") and name in err, err
+        assert "Traceback" not in err
