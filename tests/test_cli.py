@@ -23,9 +23,10 @@ def test_python_m_qwen_rt_runs_the_cli():
     assert "packaged configs" in r.stdout
 
 
-def test_cli_generate_and_its_errors(build, capsys):
+def test_cli_generate_and_its_errors(build, capsys, monkeypatch):
     """A greedy run prints the model's tokens; a value the engine cannot hold is one line naming it, exit code 1,
     not a traceback."""
+    monkeypatch.setenv("QWEN_RT_PROGRESS", "1")  # the loading bar tells whether the model loaded
     folder = build("qwen3_gqa2_tied")
     (p,) = M.pick_prompts(folder, seed=700, lengths=[8], max_new=5)
     base = ["generate", "-", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
@@ -50,6 +51,7 @@ def test_cli_generate_and_its_errors(build, capsys):
     assert "output tokens" in err and "finish reason" in err
     # Sampling flags fail before loading (no progress bar); Generator arguments once it starts.
     for bad, name, loads in ((["--top-k", str(2**31)], "top_k", False), (["--temperature", "1e39"], "temperature", False),
+                             (["--temperature", "1e-7"], "temperature", False),
                              (["--max-batch-size", str(2**31)], "max_batch_size", False),
                              (["--logprobs", "100000"], "logprobs", True)):
         assert run(bad) == 1

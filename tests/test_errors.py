@@ -75,6 +75,8 @@ BAD_REQUESTS = [
      r"temperature is too large .*float32.*401 digits"),
     ("temperature-float32-inf", lambda v: [5], {"temperature": 1e39}, ValueError, r"temperature is too large .*float32"),
     ("penalty-float32-inf", lambda v: [5], {"presence_penalty": -1e39}, ValueError, r"presence_penalty .*float32"),
+    ("temperature-float32-zero", lambda v: [5], {"temperature": 1e-46}, ValueError, r"temperature must be 0 \(greedy\)"),
+    ("temperature-float32-minus-zero", lambda v: [5], {"temperature": -1e-46}, ValueError, r"temperature must be >= 0"),
     ("top-p-float32-zero", lambda v: [5], {"top_p": 1e-50}, ValueError, r"top_p must be > 0, got 1e-50 \(0.0 in float32\)"),
     ("unknown-keyword", lambda v: [5], {"bogus_option": 1}, TypeError, r"bogus_option"),
     ("prompt-float", lambda v: 3.5, {}, TypeError, r"(?i)prompt|float"),

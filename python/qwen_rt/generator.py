@@ -28,7 +28,7 @@ def _parse_device(device) -> tuple[str, int]:
         return "cpu", 0
     if d == "cuda":
         return "cuda", 0
-    if d.startswith("cuda:") and d[5:].isdigit():
+    if d.startswith("cuda:") and d[5:].isdigit() and int(d[5:]) <= INT32_MAX:
         return "cuda", int(d[5:])
     raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 

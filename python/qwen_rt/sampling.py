@@ -10,6 +10,7 @@ __all__ = ["SamplingParams", "Completion", "Delta"]
 
 DEFAULT_MAX_TOKENS = 256
 INT32_MAX = 2**31 - 1
+MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", 1e-6))[0]  # the engine's 1e-6f
 
 
 def _float32(name: str, v) -> float:
@@ -75,21 +76,26 @@ class SamplingParams:
                 raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(v).__name__}")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v}")
-            # The engine holds it as an int32 or a float32: the bounds are checked on that value.
+            # The engine holds it as an int32 or a float32: the value and what the engine holds must both be in
+            # bounds (top_p=1e-50 is 0 in float32; -1e-46 is -0.0).
             if integer and name != "seed" and v > INT32_MAX:
                 raise ValueError(f"{name} must be <= {INT32_MAX}, got {v}")
             x = v if integer else _float32(name, v)
             shown = f"{v}" if x == v or integer else f"{v} ({x} in float32)"
-            if lo is not None and (x <= lo if lo_open else x < lo):
-                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {shown}")
-            if hi is not None and (x >= hi if hi_open else x > hi):
-                raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {shown}")
+            for y in (v, x):
+                if lo is not None and (y <= lo if lo_open else y < lo):
+                    raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {shown}")
+                if hi is not None and (y >= hi if hi_open else y > hi):
+                    raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {shown}")
+            return x
 
         number("max_tokens", lo=1, integer=True)
         number("min_tokens", lo=0, integer=True)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        number("temperature", lo=0)
+        t = number("temperature", lo=0)
+        if self.temperature != 0 and t < MIN_TEMPERATURE:  # the engine divides the logits by 1e-6 or more, in float32
+            raise ValueError(f"temperature must be 0 (greedy) or >= 1e-6, got {self.temperature}")
         number("top_k", lo=0, integer=True)
         number("top_p", lo=0, lo_open=True, hi=1)
         number("min_p", lo=0, hi=1)
