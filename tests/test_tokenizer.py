@@ -438,3 +438,84 @@ def test_tojson_and_sandbox(tmp_path):
     with pytest.raises(ValueError, match="SecurityError") as info:
         t.apply_chat_template([{"role": "user", "content": "x"}])
     assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)
+
+
+# -- named templates, tools, roles -------------------------------------------------------------------
+
+NAMED_TEMPLATES = [
+    {"name": "default", "template": "D{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"},
+    {"name": "tool_use", "template": "T{{ tools | length }}{% for m in messages %}[{{ m.role }}]{% endfor %}"},
+]
+
+
+def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
+    """A list of named templates: "default" without tools, "tool_use" with tools, and a chat_template argument
+    that names one picks it (any other string is a template)."""
+    import enum
+
+    tok = _train(tmp_path, template=NAMED_TEMPLATES)
+    hf = _hf(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for kw in ({}, {"tools": tools}, {"chat_template": "tool_use", "tools": tools}, {"chat_template": "default"},
+               {"chat_template": "X{{ messages | length }}"}):
+        ours = tok.apply_chat_template(msgs, add_generation_prompt=False, **kw)
+        assert ours == hf.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False, **kw), kw
+    assert tok.apply_chat_template(msgs, tools=tools).startswith("T1")
+
+    class Role(str, enum.Enum):
+        USER = "user"
+
+    assert tok.apply_chat_template([{"role": Role.USER, "content": "hi"}]) == "D[user:hi]"
+
+    def get_weather(city: str) -> str:
+        """Weather.
+
+        Args:
+            city: where
+        """
+        return city
+
+    with pytest.raises(TypeError, match="tools must be a list of JSON-schema dicts"):
+        tok.apply_chat_template(msgs, tools=[get_weather])
+
+
+# -- a Request's text when its end never arrives -----------------------------------------------------
+
+class _Out:
+    def __init__(self, tokens, finish_reason=None):
+        self.tokens, self.finish_reason, self.error = tokens, finish_reason, ""
+        self.top_n, self.top_ids, self.top_logprobs, self.logprobs = 0, [], [], [0.0] * len(tokens)
+
+
+class _ClosingGen:
+    """Stands in for a Generator whose engine is closed after the first output."""
+
+    _engine = None
+
+    def __init__(self, tok):
+        self.tokenizer, self.closed = tok, False
+
+    def _engine_call(self, name, *args):
+        if self.closed:
+            raise RuntimeError("the Generator is closed")
+        return _Out([])
+
+
+@pytest.mark.parametrize("text,stop", [("hello STOP", ["STOPPED"]), ("ok 𝄞", None)])
+def test_cancel_of_a_closed_request_keeps_the_held_back_text(tok, text, stop):
+    """cancel() after the engine is gone: text the detokenizer (a character cut in two) or the stop matcher (a
+    stop string's prefix) still held is added, so text matches token_ids."""
+    from qwen_rt.generator import Request
+    from qwen_rt.sampling import SamplingParams
+
+    gen = _ClosingGen(tok)
+    ids = tok.encode(text)
+    taken = ids if stop else ids[:-1]
+    r = Request(gen, 1, [1], SamplingParams(stop=stop))
+    r._take(_Out(taken))
+    assert r.text != tok.decode(taken)  # something is held back
+    gen.closed = True
+    r.cancel()
+    assert r.finish_reason == "cancelled" and r.token_ids == taken
+    assert r.text == tok.decode(taken)

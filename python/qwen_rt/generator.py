@@ -139,11 +139,8 @@ class Request:
                     kept = i + 1
                     break
             if not stopped and reason is not None:
-                tail = self._detok.flush() if self._detok else ""
-                piece, stopped = self._stop.feed(tail)
+                piece, stopped = self._held_text()
                 text += piece
-                if not stopped:
-                    text += self._stop.flush()
         tokens = tokens[:kept]
         if self.logprobs is not None and kept < len(out.tokens):
             del self.logprobs[len(self.token_ids) + kept:]
@@ -200,13 +197,23 @@ class Request:
                     self._take(self._gen._engine_call("wait", self._rid, _POLL_S))
             except (ValueError, RuntimeError):  # an error end, a closed Generator, or the id taken by another wait
                 pass
-            if self.finish_reason in (None, "error"):
+            if self.finish_reason in (None, "error"):  # ended without its last output: what is held back is text
+                self.text += self._held_text()[0]
                 self.finish_reason = "cancelled"
+
+    def _held_text(self) -> tuple[str, bool]:
+        """At the end: the text of taken tokens that the detokenizer and the stop matcher still hold (cut at a stop
+        string it completes), and whether one did."""
+        tail = self._detok.flush() if self._detok else ""
+        if self._stop is None:
+            return tail, False
+        piece, stopped = self._stop.feed(tail)
+        return (piece, True) if stopped else (piece + self._stop.flush(), False)
 
     def __del__(self):
         # Dropped unfinished (no result(), no cancel()): the engine stops it and keeps none of its output.
         if getattr(self, "finish_reason", "") is None:
-            engine = self._gen._engine
+            engine = getattr(self._gen, "_engine", None)
             if engine is not None:
                 try:
                     engine.release(self._rid)

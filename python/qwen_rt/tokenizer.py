@@ -2,6 +2,7 @@
 detokenization and stop-string matching. No torch, no transformers."""
 from __future__ import annotations
 
+import enum
 import json
 import os
 from datetime import datetime
@@ -56,6 +57,8 @@ def _normalize_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {type(m).__name__}")
         m = {k: v for k, v in m.items() if v is not None}
+        if isinstance(m.get("role"), enum.Enum) and isinstance(m["role"].value, str):  # a str Enum: its value
+            m["role"] = m["role"].value
         if not isinstance(m.get("role"), str):
             raise ValueError(f"chat message {len(out)} has no 'role' string: {m!r}"[:200])
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
@@ -89,18 +92,26 @@ class Tokenizer:
                 self.eos_token_ids.append(tid)
         self.pad_token_id = tokenizer.token_to_id(self.pad_token) if self.pad_token else None
         self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
-        self.chat_template = chat_template if chat_template is not None else self._template_from_config(cfg)
-
-    @staticmethod
-    def _template_from_config(cfg: dict) -> str | None:
+        # tokenizer_config's chat_template: one string, or a list of named ones ({"name", "template"}).
         t = cfg.get("chat_template")
-        if isinstance(t, str):
-            return t
-        if isinstance(t, list):
-            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-            if isinstance(named.get("default"), str):
-                return named["default"]
-        return None
+        self.chat_templates: dict[str, str] = {
+            d["name"]: d["template"] for d in (t if isinstance(t, list) else [])
+            if isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("template"), str)}
+        if chat_template is None:
+            chat_template = t if isinstance(t, str) else self.chat_templates.get("default")
+        self.chat_template = chat_template
+
+    def _pick_template(self, chosen, tools) -> str | None:
+        """As transformers: a chat_template argument that names one of the model's templates picks it, any other
+        string is the template itself; else "tool_use" when tools are given and the model has it; else the
+        default."""
+        if chosen is not None and chosen in self.chat_templates:
+            return self.chat_templates[chosen]
+        if chosen:
+            return chosen
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_template
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike | None) -> "Tokenizer | None":
@@ -157,7 +168,8 @@ class Tokenizer:
         apply_chat_template(..., tokenize=False) does. kwargs reach the template (tools, documents,
         enable_thinking, ...); a `chat_template` kwarg replaces the model's template. Messages without a
         role, and errors the template raises (raise_exception, undefined fields, sandbox), are ValueError."""
-        template = kwargs.pop("chat_template", None) or self.chat_template
+        tools = kwargs.pop("tools", None)
+        template = self._pick_template(kwargs.pop("chat_template", None), tools)
         if not template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja)")
@@ -165,7 +177,8 @@ class Tokenizer:
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if len(messages) == 0:
             raise ValueError("messages is empty")
-        tools = kwargs.pop("tools", None)
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise TypeError("tools must be a list of JSON-schema dicts (Python functions are not converted)")
         documents = kwargs.pop("documents", None)
         variables = {**self.special_tokens, **kwargs}
         messages = _normalize_messages(messages)
