@@ -4,7 +4,7 @@
 
 namespace qrt {
 
-PagePool::PagePool(int n) : total_(n) {
+PagePool::PagePool(int n) : total_(n), in_use_(size_t(n), 0) {
   free_.reserve(n);
   for (int i = n - 1; i >= 0; --i) free_.push_back(i);
 }
@@ -13,10 +13,15 @@ int PagePool::alloc() {
   if (free_.empty()) return -1;
   const int p = free_.back();
   free_.pop_back();
+  in_use_[p] = 1;
   return p;
 }
 
-void PagePool::release(int page) { free_.push_back(page); }
+void PagePool::release(int page) {
+  QRT_CHECK(page >= 0 && page < total_ && in_use_[page], "page ", page, " released but not in use");
+  in_use_[page] = 0;
+  free_.push_back(page);
+}
 
 int SlotTable::free_count() const {
   int n = 0;

@@ -19,7 +19,8 @@ class PagePool {
 
  private:
   int total_;
-  std::vector<int> free_;  // stack: most recently freed first
+  std::vector<int> free_;     // stack: most recently freed first
+  std::vector<char> in_use_;  // per page: handed out and not yet released (a second release is a bug: it throws)
 };
 
 struct Slot {
