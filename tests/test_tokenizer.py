@@ -468,16 +468,74 @@ def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
 
     assert tok.apply_chat_template([{"role": Role.USER, "content": "hi"}]) == "D[user:hi]"
 
-    def get_weather(city: str) -> str:
-        """Weather.
+    with pytest.raises(TypeError, match="tools must be a list of JSON-schema dicts or Python functions"):
+        tok.apply_chat_template(msgs, tools=["get_weather"])
+
+
+def _tool_functions():
+    from typing import Literal, Optional, Union
+
+    def get_weather(city: str, unit: Literal["c", "f"] = "c", days: Optional[int] = None, tags: list[str] = None,
+                    weights: dict[str, float] = None, x: Union[int, str] = 1, pair: tuple[int, str] = None) -> str:
+        """Get the weather.
+
+        Several lines of description.
 
         Args:
-            city: where
-        """
-        return city
+            city: The city name,
+                continued on a second line.
+            unit: Unit of temperature (choices: ["c", "f"])
+            days: How many days
+            tags: Some tags
+            weights: Weights
+            x: An x
+            pair: A pair
 
-    with pytest.raises(TypeError, match="tools must be a list of JSON-schema dicts"):
-        tok.apply_chat_template(msgs, tools=[get_weather])
+        Returns:
+            The forecast.
+        """
+
+    def add(a: int, b: float, flag: bool = False):
+        """Adds.
+
+        Args:
+            a: First
+            b: Second
+            flag: A flag
+        """
+
+    return [get_weather, add]
+
+
+def test_python_functions_as_tools_give_transformers_schemas(tok, tok_dir):
+    """A function given as a tool becomes the JSON schema transformers makes of it (type hints and the
+    Google-style docstring), and the template renders the same text."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import get_json_schema
+
+    from qwen_rt.tokenizer import tool_schema
+
+    funcs = _tool_functions()
+    for f in funcs:
+        assert tool_schema(f) == get_json_schema(f), f.__name__
+    hf = _hf(tok_dir)
+    msgs = [{"role": "user", "content": "weather?"}]
+    assert (tok.apply_chat_template(msgs, tools=funcs)
+            == hf.apply_chat_template(msgs, tools=funcs, add_generation_prompt=True, tokenize=False))
+
+    def undocumented(a: int):
+        pass
+
+    def no_hint(a):
+        """Does.
+
+        Args:
+            a: the a
+        """
+
+    for f, msg in ((undocumented, "no docstring"), (no_hint, "no type hint")):
+        with pytest.raises(ValueError, match=msg):
+            tool_schema(f)
 
 
 # -- a Request's text when its end never arrives -----------------------------------------------------
