@@ -96,6 +96,10 @@ Plan Scheduler::plan() {
       // The newest request that is not finishing (possibly r itself): one whose last token is being sampled
       // frees its pages at the end of that step anyway.
       auto victim = std::find_if(running_.rbegin(), running_.rend(), [](auto& q) { return !q->finishing; });
+      if (victim->get() == r && std::any_of(running_.begin(), running_.end(), [](auto& q) { return q->finishing; })) {
+        ++i;  // r would evict itself (all its K/V to recompute); a finishing request frees pages after this step
+        continue;
+      }
       preempt(victim->get());
       continue;  // retry r (or stop if r was the last)
     }
