@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "engine/request.h"
-#include "kv/kv_cache.h"
+#include "kv/pages.h"
 #include "model/qwen.h"
 
 namespace qrt {

@@ -1,0 +1,311 @@
+// Randomized check of the scheduler under the engine's step bookkeeping; tests/test_scheduler_sim.py builds
+// it with the real cpp/engine/scheduler.cpp and cpp/kv/pages.cpp and runs it.
+//
+// A stand-in device writes a tag (request, position, token) into every K/V row a step fills and samples each
+// sequence's next token as a hash of the context it reads back through the step's page table. A token fed at
+// the wrong position, a page shared or reused while it is live, or a context read from the wrong rows would
+// change the tokens. Every request's tokens are compared with the same request run alone, over random
+// page sizes, pool sizes, budgets, batch sizes and limits, with preemption, cancellation, stop tokens,
+// min_tokens and requests with penalties (which make the engine complete a step before planning the next).
+//
+// launch(), complete() and step() mirror Engine::Impl's in cpp/engine/engine.cpp without the device and the
+// sampling options: change them together.
+//   scheduler_sim [seeds]   prints "ok (<n> preemptions)" and exits 0, or prints the first failure and exits 1
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+
+#include "engine/scheduler.h"
+
+using namespace qrt;
+
+namespace {
+
+constexpr int kVocab = 23;
+constexpr int32_t kEos = 3, kStopToken = 5;
+
+bool g_failed = false;
+#define FAIL(...) (std::printf(__VA_ARGS__), std::printf("\n"), g_failed = true)
+
+bool contains(const std::vector<int32_t>& v, int32_t t) { return std::find(v.begin(), v.end(), t) != v.end(); }
+
+std::vector<int32_t> banned_tokens(const SamplingOptions& o, int produced) {
+  std::vector<int32_t> b;
+  if (produced < o.min_tokens) {
+    b = o.stop_token_ids;
+    if (!o.ignore_eos) b.insert(b.end(), o.eos_token_ids.begin(), o.eos_token_ids.end());
+  }
+  return b;
+}
+
+// The stand-in model: the next token is a hash of the whole context, moved past banned tokens.
+int32_t next_token(const std::vector<int32_t>& context, const std::vector<int32_t>& banned) {
+  uint64_t h = 1469598103934665603ull;
+  for (int32_t t : context) h = (h ^ (uint64_t(t) + 0x9e37)) * 1099511628211ull;
+  int32_t t = int32_t((h >> 17) % kVocab);
+  while (contains(banned, t)) t = (t + 1) % kVocab;
+  return t;
+}
+
+Finish end_after(const SamplingOptions& o, int prompt_len, int produced, int32_t t, int max_model_len) {
+  const bool stop_token = contains(o.stop_token_ids, t) || (!o.ignore_eos && contains(o.eos_token_ids, t));
+  if (stop_token && produced >= o.min_tokens) return Finish::Stop;
+  if (produced >= o.max_tokens || prompt_len + produced >= max_model_len) return Finish::Length;
+  return Finish::None;
+}
+
+struct Expected {
+  std::vector<int32_t> tokens;
+  Finish finish = Finish::None;
+};
+
+Expected run_alone(const std::vector<int32_t>& prompt, const SamplingOptions& o, int max_model_len) {
+  Expected e;
+  std::vector<int32_t> context = prompt;
+  while (e.finish == Finish::None) {
+    const int32_t t = next_token(context, banned_tokens(o, int(e.tokens.size())));
+    e.tokens.push_back(t);
+    context.push_back(t);
+    e.finish = end_after(o, int(prompt.size()), int(e.tokens.size()), t, max_model_len);
+  }
+  return e;
+}
+
+struct RowTag {
+  int64_t id = -1;
+  int pos = -1;
+  int32_t token = -1;
+};
+
+struct Flight {
+  Plan plan;
+  bool needs_tokens = false;
+  std::vector<int32_t> sampled;                // the step's tokens, one per sampled sequence
+  std::vector<std::unique_ptr<Request>> retired;  // finished while this step was in flight
+};
+
+struct Sim {
+  SchedulerOptions opt;
+  bool overlap = true;
+  std::unique_ptr<Scheduler> sched;
+  std::unique_ptr<Flight> launched;
+  std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page)
+  std::vector<int32_t> device_sampled;  // the last step's sampled tokens, as token_src reads them
+  std::map<int64_t, std::vector<int32_t>> prompts, published;
+  std::map<int64_t, Expected> expected;
+  std::map<int64_t, Finish> ended;
+  std::set<int64_t> penalized, admitted;
+  std::vector<int64_t> admission_order;
+
+  void finish(std::unique_ptr<Request> r, Finish f) {
+    if (ended.count(r->id)) FAIL("request %lld ended twice", (long long)r->id);
+    ended[r->id] = f;
+    r->finished = true;
+    if (launched) launched->retired.push_back(std::move(r));
+  }
+
+  void check_plan(const Plan& p) {
+    const StepInput& in = p.input;
+    int tokens = 0;
+    std::set<int> pages;
+    if (int(p.seqs.size()) > opt.max_batch_size) FAIL("%zu sequences in a step of at most %d", p.seqs.size(), opt.max_batch_size);
+    for (size_t s = 0; s < p.seqs.size(); ++s) {
+      const auto& q = p.seqs[s];
+      tokens += q.count;
+      if (q.count < 1) FAIL("a sequence of %d tokens", q.count);
+      if (q.req->finished) FAIL("request %lld planned after it finished", (long long)q.req->id);
+      if (q.first + q.count > q.req->length() || q.first + q.count > opt.max_model_len) FAIL("fed past the end");
+      for (int j = 0; j < (q.first + q.count + opt.page_size - 1) / opt.page_size; ++j) {
+        const int page = in.page_table[s * in.max_pages + j];
+        if (page < 0 || page >= opt.num_pages) FAIL("page %d outside the pool", page);
+        if (!pages.insert(page).second) FAIL("page %d held by two sequences of one step", page);
+      }
+      if (q.first == 0 && q.req->preempted == 0 && admitted.insert(q.req->id).second)
+        admission_order.push_back(q.req->id);
+    }
+    if (tokens > opt.max_num_batched_tokens) FAIL("%d tokens in a step of at most %d", tokens, opt.max_num_batched_tokens);
+  }
+
+  // The device's part: K/V rows written, then each sampled sequence's context read back and a token drawn.
+  std::vector<int32_t> run_on_device(const Plan& p) {
+    const StepInput& in = p.input;
+    const int ps = opt.page_size;
+    int k = 0;
+    for (size_t s = 0; s < p.seqs.size(); ++s) {
+      const auto& q = p.seqs[s];
+      const auto& prompt = prompts[q.req->id];
+      const auto& want_out = expected[q.req->id].tokens;
+      for (int i = q.first; i < q.first + q.count; ++i, ++k) {
+        int32_t t = in.tokens[k];
+        if (in.token_src[k] >= 0) t = in.token_src[k] < int(device_sampled.size()) ? device_sampled[in.token_src[k]] : -7;
+        const size_t o = size_t(i) - prompt.size();
+        const int32_t want = i < int(prompt.size()) ? prompt[i] : o < want_out.size() ? want_out[o] : -9;
+        if (t != want) FAIL("request %lld position %d fed %d, want %d", (long long)q.req->id, i, t, want);
+        if (in.positions[k] != i) FAIL("position %d fed as %d", i, in.positions[k]);
+        const int row = in.kv_rows[k];
+        if (row / ps != in.page_table[s * in.max_pages + i / ps] || row % ps != i % ps) FAIL("kv_row off its page");
+        kv[row] = RowTag{q.req->id, i, t};
+      }
+    }
+    std::vector<int32_t> sampled;
+    for (size_t s = 0; s < p.seqs.size(); ++s) {
+      const auto& q = p.seqs[s];
+      if (!q.sample) continue;
+      std::vector<int32_t> context;
+      for (int j = 0; j < in.ctx_len[s]; ++j) {
+        const RowTag& tag = kv[in.page_table[s * in.max_pages + j / ps] * ps + j % ps];
+        if (tag.id != q.req->id || tag.pos != j)
+          FAIL("request %lld reads position %d from a row of request %lld position %d", (long long)q.req->id, j,
+               (long long)tag.id, tag.pos);
+        context.push_back(tag.token);
+      }
+      sampled.push_back(next_token(context, banned_tokens(q.req->opts, int(q.req->output.size()))));
+    }
+    return sampled;
+  }
+
+  std::unique_ptr<Flight> launch(Plan plan) {
+    check_plan(plan);
+    auto f = std::make_unique<Flight>();
+    f->plan = std::move(plan);
+    f->sampled = run_on_device(f->plan);
+    if (!f->sampled.empty()) device_sampled = f->sampled;
+    int row = 0;
+    for (auto& s : f->plan.seqs) {
+      Request& q = *s.req;
+      q.computed = s.first + s.count;
+      if (!s.sample) continue;
+      if (penalized.count(q.id)) {
+        f->needs_tokens = true;  // penalties read the output: no pending token may be in it
+        if (contains(q.output, kPending)) FAIL("request %lld has penalties and a pending token", (long long)q.id);
+      }
+      s.out_index = int(q.output.size());
+      q.output.push_back(kPending);
+      q.pending_row = row++;
+      q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt.max_model_len;
+    }
+    return f;
+  }
+
+  void complete(std::unique_ptr<Flight> f) {
+    int row = 0;
+    for (const auto& s : f->plan.seqs) {
+      if (!s.sample) continue;
+      const int r = row++;
+      Request& q = *s.req;
+      if (q.finished) continue;
+      const int32_t t = f->sampled[r];
+      q.output[s.out_index] = t;
+      q.output_counts[t]++;
+      if (q.pending_row == r && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+      auto& out = published[q.id];
+      if (int(out.size()) != s.out_index) FAIL("request %lld publishes token %d after %zu", (long long)q.id, s.out_index, out.size());
+      out.push_back(t);
+      const Finish fin = end_after(q.opts, int(q.prompt.size()), s.out_index + 1, t, opt.max_model_len);
+      if (fin != Finish::None) finish(sched->remove(&q), fin);
+    }
+  }
+
+  // Engine::Impl::step: with overlap, the next step is planned and launched before the one in flight completes.
+  bool step() {
+    bool worked = false;
+    if (launched && (launched->needs_tokens || !overlap)) complete(std::move(launched)), worked = true;
+    Plan plan = sched->plan();
+    std::unique_ptr<Flight> before = std::move(launched);
+    if (!plan.empty()) launched = launch(std::move(plan)), worked = true;
+    if (before) complete(std::move(before)), worked = true;
+    return worked;
+  }
+};
+
+// One random configuration and workload; returns its preemptions.
+int64_t run_seed(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto U = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  Sim sim;
+  sim.opt.page_size = 1 << U(0, 3);
+  sim.opt.num_pages = U(2, 12);
+  sim.opt.max_batch_size = U(1, 6);
+  sim.opt.max_num_batched_tokens = U(1, 24);
+  const int capacity = sim.opt.num_pages * sim.opt.page_size;
+  sim.opt.max_model_len = U(2, capacity + 1 + U(0, 5));
+  sim.overlap = U(0, 3) != 0;
+  sim.sched = std::make_unique<Scheduler>(sim.opt);
+  sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
+  const int requests = U(1, 40);
+  const bool cancels = U(0, 1);
+  int submitted = 0, idle_steps = 0;
+  int64_t next_id = 1;
+  for (int it = 0; it < 200000 && !g_failed; ++it) {
+    while (submitted < requests && U(0, 3) == 0) {  // arrivals, sized up to the limits the engine accepts
+      ++submitted;
+      const int limit = std::min(sim.opt.max_model_len, capacity + 1);
+      const int prompt_len = U(0, 1) ? U(1, std::max(1, (limit - 1) / 4)) : U(1, std::max(1, limit - 1));
+      const int max_tokens = U(0, 1) ? std::max(1, limit - prompt_len - U(0, 2)) : U(1, std::max(1, limit - prompt_len));
+      if (prompt_len + max_tokens > sim.opt.max_model_len || prompt_len + max_tokens - 1 > capacity) continue;
+      auto r = std::make_unique<Request>();
+      r->id = next_id++;
+      for (int i = 0; i < prompt_len; ++i) r->prompt.push_back(U(0, kVocab - 1));
+      r->opts.max_tokens = max_tokens;
+      r->opts.min_tokens = U(0, 2) == 0 ? U(0, max_tokens) : 0;
+      r->opts.ignore_eos = U(0, 1);
+      r->opts.eos_token_ids = {kEos};
+      if (U(0, 1)) r->opts.stop_token_ids = {kStopToken};
+      if (U(0, 4) == 0) sim.penalized.insert(r->id);
+      sim.prompts[r->id] = r->prompt;
+      sim.expected[r->id] = run_alone(r->prompt, r->opts, sim.opt.max_model_len);
+      sim.sched->add(std::move(r));
+    }
+    if (cancels && U(0, 49) == 0) {  // a cancel as the engine's loop applies it, before planning
+      const auto all = sim.sched->all_requests();
+      if (!all.empty()) {
+        Request* r = all[size_t(U(0, int(all.size()) - 1))];
+        sim.finish(sim.sched->remove(r), Finish::Cancelled);
+      }
+    }
+    if (sim.sched->idle() && !sim.launched) {
+      if (submitted >= requests) break;
+      continue;
+    }
+    idle_steps = sim.step() ? 0 : idle_steps + 1;
+    if (idle_steps > 1000) FAIL("stuck: %d running, %d waiting, nothing planned", sim.sched->running(), sim.sched->waiting());
+  }
+  if (!g_failed) {
+    if (!sim.sched->idle() || sim.launched) FAIL("not idle at the end");
+    if (sim.sched->free_pages() != sim.sched->total_pages()) FAIL("%d of %d pages free at the end", sim.sched->free_pages(), sim.sched->total_pages());
+    if (sim.sched->free_slots() != sim.opt.max_batch_size) FAIL("slots held at the end");
+    for (const auto& [id, want] : sim.expected) {
+      const auto& got = sim.published[id];
+      if (!sim.ended.count(id)) {
+        FAIL("request %lld never ended", (long long)id);
+      } else if (sim.ended[id] == Finish::Cancelled) {
+        if (got.size() > want.tokens.size() || !std::equal(got.begin(), got.end(), want.tokens.begin()))
+          FAIL("cancelled request %lld: its tokens are not a prefix of its run alone", (long long)id);
+      } else if (got != want.tokens || sim.ended[id] != want.finish) {
+        FAIL("request %lld: %zu tokens (finish %d), alone %zu (finish %d)", (long long)id, got.size(),
+             int(sim.ended[id]), want.tokens.size(), int(want.finish));
+      }
+    }
+    if (!std::is_sorted(sim.admission_order.begin(), sim.admission_order.end())) FAIL("admitted out of arrival order");
+  }
+  if (g_failed)
+    std::printf("seed %llu: page_size %d, pages %d, max_batch_size %d, budget %d, max_model_len %d, overlap %d\n",
+                (unsigned long long)seed, sim.opt.page_size, sim.opt.num_pages, sim.opt.max_batch_size,
+                sim.opt.max_num_batched_tokens, sim.opt.max_model_len, int(sim.overlap));
+  return sim.sched->preemptions();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int seeds = argc > 1 ? std::atoi(argv[1]) : 2000;
+  int64_t preemptions = 0;
+  for (int seed = 0; seed < seeds && !g_failed; ++seed) preemptions += run_seed(uint64_t(seed));
+  if (g_failed) return 1;
+  std::printf("ok (%lld preemptions)\n", (long long)preemptions);
+  return 0;
+}
