@@ -385,3 +385,24 @@ def test_dropped_request_stops_and_leaves_nothing_behind(build, fresh_gen, idle)
         eng.wait(rid, 0.0)
     (c,) = gen.generate([p], max_tokens=6, **GREEDY)
     assert c.token_ids == ref
+
+
+def test_generate_with_one_sampling_per_prompt(build, make_gen):
+    """generate(prompts, sampling=[...]): each prompt gets its own SamplingParams (keyword arguments still
+    apply to all), with the tokens each gets alone; a list of the wrong length or type is refused."""
+    import qwen_rt
+
+    folder = build("qwen3_gqa2_tied")
+    gen = make_gen(folder, max_batch_size=4, max_model_len=256)
+    p, q = M.pick_prompts(folder, seed=440, lengths=[9, 14], max_new=12)
+    sp = [qwen_rt.SamplingParams(max_tokens=5, temperature=0.0),
+          qwen_rt.SamplingParams(max_tokens=12, temperature=0.9, seed=77, logprobs=2)]
+    both = gen.generate([p, q], sampling=sp, ignore_eos=True)
+    alone = [gen.generate([x], sampling=s, ignore_eos=True)[0] for x, s in zip((p, q), sp)]
+    assert [c.token_ids for c in both] == [c.token_ids for c in alone]
+    assert both[0].token_ids == M.hf_greedy(folder, p, 5) and len(both[1].token_ids) == 12
+    assert both[0].logprobs is None and len(both[1].logprobs) == 12
+    with pytest.raises(ValueError, match="sampling has 1 entries for 2 prompts"):
+        gen.generate([p, q], sampling=sp[:1])
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        gen.generate([p, q], sampling=[sp[0], {"max_tokens": 3}])

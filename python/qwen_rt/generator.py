@@ -407,15 +407,20 @@ class Generator:
         return s
 
     def _submit_many(self, prompts, sampling, kwargs) -> list[Request]:
-        p = self._params(sampling, kwargs)
         ids_list = [self._prompt_ids(x) for x in self._prompt_list(prompts)]
-        for ids in ids_list:
+        if isinstance(sampling, (list, tuple)):  # one SamplingParams per prompt
+            if len(sampling) != len(ids_list):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(ids_list)} prompts")
+            params = [self._params(x, kwargs) for x in sampling]
+        else:
+            params = [self._params(sampling, kwargs)] * len(ids_list)
+        for ids, p in zip(ids_list, params):
             self._check_length(ids, p)
-        native = self._native_sampling(p)
+        natives = {id(p): self._native_sampling(p) for p in params}
         reqs: list[Request] = []
         try:
-            for ids in ids_list:
-                reqs.append(Request(self, self._engine_call("submit", ids, native), ids, p))
+            for ids, p in zip(ids_list, params):
+                reqs.append(Request(self, self._engine_call("submit", ids, natives[id(p)]), ids, p))
         except BaseException:
             for r in reqs:
                 r.cancel()
@@ -430,8 +435,10 @@ class Generator:
             raise TypeError("submit takes one prompt: a str or a list of token ids")
         return self._submit_many(prompt, sampling, kwargs)[0]
 
-    def generate(self, prompts, sampling: SamplingParams | None = None, **kwargs) -> list[Completion]:
-        """Generates for one or many prompts (batched together); returns one Completion per prompt."""
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 **kwargs) -> list[Completion]:
+        """Generates for one or many prompts (batched together); returns one Completion per prompt. sampling: one
+        SamplingParams for all, or a list with one per prompt; keyword arguments override fields of each."""
         reqs = self._submit_many(prompts, sampling, kwargs)
         try:
             return [r.result() for r in reqs]
@@ -456,7 +463,8 @@ class Generator:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         return self.tokenizer.encode(text)
 
-    async def agenerate(self, prompts, sampling: SamplingParams | None = None, **kwargs) -> list[Completion]:
+    async def agenerate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                        **kwargs) -> list[Completion]:
         reqs = self._submit_many(prompts, sampling, kwargs)
         try:
             return [await asyncio.to_thread(r.result) for r in reqs]
