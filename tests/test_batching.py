@@ -318,6 +318,12 @@ def test_kv_cache_of_one_page_takes_a_request_that_fills_it(build, fresh_gen):
         gen.generate([p], max_tokens=2, **GREEDY)
 
 
+def _take_first_output(req):
+    """Waits until the request's first tokens are taken (later ones keep arriving in the engine, untaken)."""
+    while not req.token_ids:
+        req._poll(0.2)
+
+
 def test_cancel_keeps_text_and_logprobs_with_the_tokens(build, fresh_gen, idle):
     """cancel() takes what is still in the engine the way result() does: token_ids, text and logprobs describe
     the same tokens, whether the request was running or had already ended (then its own reason stays)."""
@@ -329,8 +335,7 @@ def test_cancel_keeps_text_and_logprobs_with_the_tokens(build, fresh_gen, idle):
     took_pending = 0
     for pause in (0.0, 0.001, 0.002, 0.005, 0.01):  # running: cancelled soon after its first output
         r = gen.submit(p, max_tokens=480, logprobs=2, **GREEDY)
-        while not r.token_ids:
-            r._poll(0.2)
+        _take_first_output(r)
         n = len(r.token_ids)
         time.sleep(pause)  # more output waits in the engine, untaken
         r.cancel()
@@ -366,8 +371,7 @@ def test_dropped_request_stops_and_leaves_nothing_behind(build, fresh_gen, idle)
     gc.collect()
     for _ in range(4):  # dropped while it runs, after its first output: its later tokens go nowhere
         r = gen.submit(p, max_tokens=480, **GREEDY)
-        while not r.token_ids:
-            r._poll(0.2)
+        _take_first_output(r)
         ids.append(r._rid)
         del r
     s = idle(gen)

@@ -412,15 +412,16 @@ class Generator:
             if len(sampling) != len(ids_list):
                 raise ValueError(f"sampling has {len(sampling)} entries for {len(ids_list)} prompts")
             params = [self._params(x, kwargs) for x in sampling]
-        else:
+            natives = [self._native_sampling(p) for p in params]
+        else:  # one for all: resolved and converted once
             params = [self._params(sampling, kwargs)] * len(ids_list)
+            natives = [self._native_sampling(params[0])] * len(ids_list)
         for ids, p in zip(ids_list, params):
             self._check_length(ids, p)
-        natives = {id(p): self._native_sampling(p) for p in params}
         reqs: list[Request] = []
         try:
-            for ids, p in zip(ids_list, params):
-                reqs.append(Request(self, self._engine_call("submit", ids, natives[id(p)]), ids, p))
+            for ids, p, native in zip(ids_list, params, natives):
+                reqs.append(Request(self, self._engine_call("submit", ids, native), ids, p))
         except BaseException:
             for r in reqs:
                 r.cancel()

@@ -10,7 +10,6 @@ __all__ = ["SamplingParams", "Completion", "Delta"]
 
 DEFAULT_MAX_TOKENS = 256
 INT32_MAX = 2**31 - 1
-MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", 1e-6))[0]  # the engine's 1e-6f
 
 
 def _float32(name: str, v) -> float:
@@ -26,6 +25,9 @@ def _float32(name: str, v) -> float:
             shown = f"an int of {len(str(abs(v)))} digits"
         raise ValueError(f"{name} is too large in magnitude for float32 (about 3.4e38), got {shown}")
     return x
+
+
+MIN_TEMPERATURE = _float32("temperature", 1e-6)  # the engine's 1e-6f
 
 
 @dataclass
