@@ -513,7 +513,7 @@ def test_python_functions_as_tools_give_transformers_schemas(tok, tok_dir):
     transformers = pytest.importorskip("transformers")
     from transformers.utils import get_json_schema
 
-    from qwen_rt.tokenizer import tool_schema
+    from qwen_rt.tools import tool_schema
 
     funcs = _tool_functions()
     for f in funcs:

@@ -10,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
+from .tools import tool_schema
+
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "StopMatcher"]
 
 
@@ -44,121 +46,6 @@ def _compile_template(source: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
-
-
-# -- tools given as Python functions ---------------------------------------------------------------
-
-_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
-
-
-def _hint_schema(hint, where: str) -> dict:
-    """The JSON schema of a type hint (the subset chat templates see: scalars, lists, dicts, tuples, unions,
-    Literal); ValueError for anything else."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in _JSON_TYPES:
-        return {"type": _JSON_TYPES[hint]}
-    if hint is typing.Any:
-        return {}
-    if origin is typing.Literal:
-        kinds = sorted({_JSON_TYPES[type(a)] for a in args if type(a) in _JSON_TYPES})
-        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
-    if origin in (typing.Union, types.UnionType):
-        parts = [_hint_schema(a, where) for a in args if a is not type(None)]
-        if all(set(p) == {"type"} and isinstance(p["type"], str) for p in parts):
-            kinds = [p["type"] for p in parts]
-            out = {"type": kinds[0] if len(kinds) == 1 else kinds}
-        else:
-            out = {"anyOf": parts}
-        if type(None) in args:
-            out["nullable"] = True
-        return out
-    if hint is list or origin is list:
-        return {"type": "array", **({"items": _hint_schema(args[0], where)} if args else {})}
-    if hint is dict or origin is dict:
-        return {"type": "object", **({"additionalProperties": _hint_schema(args[1], where)} if args else {})}
-    if hint is tuple or origin is tuple:
-        if not args:
-            return {"type": "array"}
-        if len(args) == 2 and args[1] is Ellipsis:
-            return {"type": "array", "items": _hint_schema(args[0], where)}
-        return {"type": "array", "prefixItems": [_hint_schema(a, where) for a in args]}
-    raise ValueError(f"{where}: type hint {hint!r} has no JSON schema")
-
-
-def _parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
-    """A Google-style docstring: (description, {argument: description}, returns description)."""
-    import inspect
-    import re
-
-    lines = inspect.cleandoc(doc).splitlines()
-    sections: dict[str, list[str]] = {"": []}
-    current = ""
-    for line in lines:
-        m = re.fullmatch(r"(Args|Arguments|Parameters|Returns|Return)\s*:\s*", line.strip())
-        if m and not line.startswith((" ", "\t")):
-            current = "returns" if m.group(1).startswith("Return") else "args"
-            sections[current] = []
-        else:
-            sections[current].append(line)
-    args: dict[str, str] = {}
-    name = None
-    for line in sections.get("args", []):
-        m = re.fullmatch(r"\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
-        if m and (name is None or len(line) - len(line.lstrip()) <= indent):
-            name, indent = m.group(1), len(line) - len(line.lstrip())
-            args[name] = m.group(2).strip()
-        elif name is not None and line.strip():
-            args[name] = f"{args[name]} {line.strip()}".strip()
-    returns = " ".join(x.strip() for x in sections.get("returns", []) if x.strip()) or None
-    return "\n".join(sections[""]).strip(), args, returns
-
-
-def tool_schema(func) -> dict:
-    """A Python function as a chat tool ({"type": "function", "function": {...}}), from its type hints and its
-    Google-style docstring (a description, then `Args:` with one `name: description` per argument; an argument's
-    `(choices: [...])` becomes its enum). ValueError names what is missing."""
-    import inspect
-    import json as _json
-    import re
-    import typing
-
-    name = getattr(func, "__name__", repr(func))
-    if not func.__doc__:
-        raise ValueError(f"tool {name}: no docstring (its description and each argument's come from it)")
-    description, arg_docs, returns = _parse_docstring(func.__doc__)
-    try:
-        hints = typing.get_type_hints(func)
-    except Exception as e:  # a string annotation naming what the function's module does not define
-        raise ValueError(f"tool {name}: cannot resolve its type hints ({type(e).__name__}: {e})") from e
-    properties, required = {}, []
-    for p in inspect.signature(func).parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise ValueError(f"tool {name}: *{p.name} has no JSON schema")
-        if p.name not in hints:
-            raise ValueError(f"tool {name}: argument {p.name!r} has no type hint")
-        if p.name not in arg_docs:
-            raise ValueError(f"tool {name}: the docstring's Args: section does not describe {p.name!r}")
-        prop = _hint_schema(hints[p.name], f"tool {name}, argument {p.name!r}")
-        doc = arg_docs[p.name]
-        m = re.search(r"\(choices:\s*(.*?)\)\s*$", doc)
-        if m:
-            prop["enum"] = _json.loads(m.group(1))
-            doc = doc[:m.start()].rstrip()
-        prop["description"] = doc
-        properties[p.name] = prop
-        if p.default is inspect.Parameter.empty:
-            required.append(p.name)
-    out = {"name": name, "description": description,
-           "parameters": {"type": "object", "properties": properties, **({"required": required} if required else {})}}
-    if "return" in hints and hints["return"] is not type(None):
-        ret = _hint_schema(hints["return"], f"tool {name}, return")
-        if returns:
-            ret["description"] = returns
-        out["return"] = ret
-    return {"type": "function", "function": out}
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
