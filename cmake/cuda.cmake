@@ -21,7 +21,7 @@ if(NOT CMAKE_CUDA_COMPILER)
 endif()
 
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+  set(CMAKE_CUDA_ARCHITECTURES 80 90a)  # 90a: Hopper-only instructions (wgmma prefill attention)
 endif()
 enable_language(CUDA)
 set(CMAKE_CUDA_STANDARD 17)
@@ -63,6 +63,9 @@ target_include_directories(_cuda_backend PRIVATE cpp ${QRT_CUBLASLT_INCLUDE} ${Q
 target_compile_options(_cuda_backend PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 -Xcompiler=-fvisibility=hidden --expt-relaxed-constexpr>
   $<$<COMPILE_LANGUAGE:CXX>:-O2 -fvisibility=hidden>)
+if(CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
+  target_compile_definitions(_cuda_backend PRIVATE QRT_HAVE_SM90A=1)
+endif()
 target_link_libraries(_cuda_backend PRIVATE CUDA::cudart_static ${QRT_CUBLASLT_LIB} ${QRT_NCCL_LIB})
 # Find cuBLASLt and NCCL where they were found at build time (pip folders have no standard path).
 get_filename_component(QRT_CUBLASLT_DIR "${QRT_CUBLASLT_LIB}" DIRECTORY)

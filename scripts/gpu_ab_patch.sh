@@ -18,7 +18,7 @@ rm -rf "$pkgs" && mkdir -p "$pkgs"
 build() {  # build and install the working tree, then keep a copy of the installed package as variant $1
   local t0=$(date +%s)
   QWEN_RT_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v \
-    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=build/gpu . > "$OUT/build_$1.log" 2>&1 \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a -C build-dir=build/gpu . > "$OUT/build_$1.log" 2>&1 \
     || { grep -E "error" "$OUT/build_$1.log" | head -30; return 1; }
   local p=$(cd /tmp && python3 -c "import qwen_rt, os; print(os.path.dirname(qwen_rt.__file__))")
   mkdir -p "$pkgs/$1" && cp -r "$p" "$pkgs/$1/"

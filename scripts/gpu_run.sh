@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 cat "$OUT/gpu.txt"
 t0=$(date +%s)
 QWEN_RT_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v \
-  -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=build/gpu . > "$OUT/build.log" 2>&1 \
+  -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a -C build-dir=build/gpu . > "$OUT/build.log" 2>&1 \
   || { grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "import qwen_rt._core as c; print('cuda devices:', c.cuda_device_count(), c.cuda_plugin_error())")

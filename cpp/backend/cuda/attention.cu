@@ -8,6 +8,7 @@
 // - tile kernel (bf16/fp16): FlashAttention-2 style; a block holds 128 (token, head) rows of one
 //   sequence and one kv head, streams K/V pages through shared memory (cp.async, two stages) and
 //   computes QK^T and PV with mma.sync m16n8k16 tensor-core instructions, online softmax in fp32.
+//   On sm_90a its job goes to the wgmma kernel (attention_sm90.cuh) for head_dim 64 and 128.
 // Launch shapes come from the host maxima of AttnBatch; lengths are read on the device, so a
 // captured graph stays valid while the real lengths stay within the maxima it was captured with.
 #include <algorithm>
@@ -662,6 +663,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
     }
 }
 
+#include "backend/cuda/attention_sm90.cuh"
+
 // ================================================================================================
 // Decode kernel (tensor cores): one query row per sequence (decode steps)
 // ================================================================================================
@@ -1235,8 +1238,50 @@ void launch_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, cons
   check_launch("attention (tile)");
 }
 
-// QWEN_RT_TILE=8x1 picks 8 warps of one m-tile (the form before 4x2) for head_dim <= 128; head_dim 256 always
-// takes it (two m-tiles of 256-wide accumulators do not fit the registers).
+template <typename T, int D, int BN, int WG, int STAGES, bool OVERLAP>
+void launch_wgmma(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
+                  cudaStream_t st) {
+  using Cfg = WgmmaCfg<D, BN, WG, STAGES>;
+  const auto kernel = attn_wgmma_kernel<T, D, BN, WG, STAGES, OVERLAP>;
+  TileArgs a;
+  attn_args(a, q, cache, b, sh, out);
+  a.tokens_per_tile = Cfg::BM / a.group;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::smem)),
+        "attention (smem attribute)");
+  const int tiles = (std::max(b.max_q_len, 1) + a.tokens_per_tile - 1) / a.tokens_per_tile;
+  dim3 grid(unsigned(tiles), unsigned(sh.kv_heads), unsigned(b.num_seqs));
+  kernel<<<grid, Cfg::kThreads, Cfg::smem, st>>>(a);
+  check_launch("attention (wgmma)");
+}
+
+// The wgmma kernel runs where this build has an sm_90a image and the device is sm_90 (QWEN_RT_PREFILL_ATTN=mma
+// keeps the tile kernel there).
+bool wgmma_takes() {
+#ifdef QRT_HAVE_SM90A
+  static const bool off = [] {
+    const char* e = std::getenv("QWEN_RT_PREFILL_ATTN");
+    return e && std::strcmp(e, "mma") == 0;
+  }();
+  thread_local int dev = -1;
+  thread_local bool sm90 = false;
+  int cur = 0;
+  if (off || cudaGetDevice(&cur) != cudaSuccess) return false;
+  if (cur != dev) {
+    int major = 0, minor = 0;
+    sm90 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cur) == cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, cur) == cudaSuccess && major == 9 &&
+           minor == 0;
+    dev = cur;
+  }
+  return sm90;
+#else
+  return false;
+#endif
+}
+
+// head_dim 64/128 on sm_90a: the wgmma kernel. Else QWEN_RT_TILE=8x1 picks 8 warps of one m-tile (the form
+// before 4x2) for head_dim <= 128; head_dim 256 always takes it (two m-tiles of 256-wide accumulators do not
+// fit the registers).
 template <typename T, int D>
 void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
               cudaStream_t st) {
@@ -1245,6 +1290,7 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     return e && std::strcmp(e, "8x1") == 0;
   }();
   if constexpr (D <= 128) {
+    if (wgmma_takes()) return launch_wgmma<T, D, 128, 2, 3, true>(q, cache, b, sh, out, st);
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
   }
   launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);

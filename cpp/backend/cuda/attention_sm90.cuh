@@ -1,0 +1,348 @@
+// Hopper prefill attention: the tile kernel's job (attention.cu) on warpgroup MMA (wgmma, sm_90a).
+// Included by attention.cu inside its namespace; it uses TileArgs, KvHead, pack2 and the cp.async helpers.
+//
+// A block is WG warpgroups of 64 (token, head) rows each, for one sequence and one kv head, the rows as the
+// tile kernel maps them (row r: token r / G, query head r % G). Q, and K/V in STAGES stages of BN keys, sit in
+// shared memory in the layout wgmma reads with 128-byte swizzle: a [rows][D] tile is D / 64 panels of
+// [rows][64] elements, row r's 16-byte chunk c of a panel at r * 128 + ((c ^ (r % 8)) * 16). Per tile of keys:
+// S = Q K^T (both operands from shared memory, K-major), the causal mask and online softmax in registers
+// (log2 units, as the tile kernel), then O += P V with P from registers and V read transposed (MN-major).
+// Every thread also loads: K/V tiles by cp.async, STAGES - 1 tiles ahead.
+
+#define QRT_WGMMA_SS_N64(TY)                                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                      \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                      \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                        \
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                   \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),             \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),         \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),      \
+                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),      \
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                              \
+               : "l"(da), "l"(db), "r"(acc))
+
+#define QRT_WGMMA_SS_N128(TY)                                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                      \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                     \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+               "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+               "%59, %60, %61, %62, %63}, "                                                                      \
+               "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                   \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),             \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),         \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),      \
+                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),      \
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),      \
+                 "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),      \
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),      \
+                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),      \
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),      \
+                 "+f"(d[63])                                                                                     \
+               : "l"(da), "l"(db), "r"(acc))
+
+#define QRT_WGMMA_RS_N64(TY)                                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                      \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                      \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                        \
+               "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),             \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),         \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),      \
+                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),      \
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc))
+
+#define QRT_WGMMA_RS_N128(TY)                                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                      \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                     \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+               "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+               "%59, %60, %61, %62, %63}, "                                                                      \
+               "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),             \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),         \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),      \
+                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),      \
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),      \
+                 "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),      \
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),      \
+                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),      \
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),      \
+                 "+f"(d[63])                                                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc))
+
+// D (+)= A B for one warpgroup: A 64 x 16 (from shared memory by descriptor da, or four registers a per
+// thread), B 16 x N by descriptor db; d holds N / 2 fp32 accumulators per thread (mma.m16n8 layout per warp
+// and 8 columns). acc 0 overwrites d.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
+  static_assert(N == 64 || N == 128, "wgmma_ss: N is 64 or 128");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if constexpr (N == 64) QRT_WGMMA_SS_N64("bf16");
+    else QRT_WGMMA_SS_N128("bf16");
+  } else {
+    if constexpr (N == 64) QRT_WGMMA_SS_N64("f16");
+    else QRT_WGMMA_SS_N128("f16");
+  }
+}
+// B transposed (MN-major: N contiguous in shared memory).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int acc) {
+  static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if constexpr (N == 64) QRT_WGMMA_RS_N64("bf16");
+    else QRT_WGMMA_RS_N128("bf16");
+  } else {
+    if constexpr (N == 64) QRT_WGMMA_RS_N64("f16");
+    else QRT_WGMMA_RS_N128("f16");
+  }
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
+template <int N> __device__ __forceinline__ void wgmma_hold(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(lead >> 4) << 16) | (uint64_t(stride >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// Byte offset of 16-byte chunk `c` (of D / 8) of row r in a [rows][D] tile of 128-byte swizzled panels.
+__device__ __forceinline__ uint32_t swizzled(int rows, int r, int c) {
+  return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp_async16_to(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+// OVERLAP: the softmax of a tile runs while the tensor cores do the previous tile's P V.
+template <int D, int BN, int WG, int STAGES> struct WgmmaCfg {
+  static constexpr int BM = 64 * WG;  // rows per block
+  static constexpr int kThreads = 128 * WG;
+  static constexpr int kQBytes = BM * D * 2;
+  static constexpr int kKvBytes = BN * D * 2;  // K or V of one stage
+  static constexpr size_t smem = 1024 + kQBytes + size_t(STAGES) * 2 * kKvBytes;  // + alignment of the panels
+};
+
+template <typename T, int D, int BN, int WG, int STAGES, bool OVERLAP>
+__global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = WgmmaCfg<D, BN, WG, STAGES>;
+  constexpr int BM = Cfg::BM, CPR = D / 8, NT = BN / 8, ND = D / 8;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
+  auto k_s = [&](int stage) { return q_s + Cfg::kQBytes + uint32_t(stage) * 2 * Cfg::kKvBytes; };
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int s = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+  const int qs0 = a.q_start[s];
+  const int q_len = a.q_start[s + 1] - qs0;
+  const int t0 = tile * a.tokens_per_tile;
+  if (t0 >= q_len) return;
+  const int G = a.group;
+  const int nt = min(a.tokens_per_tile, q_len - t0);
+  const int rows_valid = nt * G;
+  const int base_pos = a.ctx_len[s] - q_len + t0;  // position of the tile's first token
+  const int max_pos = base_pos + nt - 1;
+  const int n_keys = max_pos + 1;
+  const int n_tiles = (n_keys + BN - 1) / BN;
+  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
+
+  for (int c = tid; c < BM * CPR; c += Cfg::kThreads) {
+    const int r = c / CPR, part = c - r * CPR;
+    const bool ok = r < rows_valid;
+    const T* src = static_cast<const T*>(a.q);
+    if (ok) src += int64_t(qs0 + t0 + r / G) * a.q_stride + int64_t(kvh * G + r % G) * D + part * 8;
+    cp_async16_to(q_s + swizzled(BM, r, part), src, ok);
+  }
+  // Tile j of keys into stage j % STAGES (keys past the end are zeros); a group is committed either way.
+  auto issue = [&](int j) {
+    if (j < n_tiles) {
+      const uint32_t ks = k_s(j % STAGES), vs = ks + Cfg::kKvBytes;
+      for (int c = tid; c < BN * CPR; c += Cfg::kThreads) {
+        const int t = c / CPR, part = c - t * CPR;
+        const int key = j * BN + t;
+        const bool ok = key < n_keys;
+        const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
+        const uint32_t off = swizzled(BN, t, part);
+        cp_async16_to(ks + off, cache.k + crow + part * 8, ok);
+        cp_async16_to(vs + off, cache.v + crow + part * 8, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  constexpr int kAhead = OVERLAP ? STAGES - 2 : STAGES - 1;  // tiles in flight ahead of the one computed
+  static_assert(kAhead >= 1, "attn_wgmma_kernel: OVERLAP takes 3 or more stages");
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) issue(j);  // Q joins the first group
+
+  // This thread's accumulator rows: row0 (elements 0, 1 of each 8 columns) and row0 + 8 (2, 3).
+  const int row0 = wg * 64 + warp * 16 + (lane >> 2);
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max of the raw scores, sum of exp2
+  const float scale = a.scale_log2;
+  const uint32_t q_rows = q_s + uint32_t(wg) * 64 * 128;  // this warpgroup's 64 rows of every Q panel
+
+  // Every thread's part of tile j is in shared memory, fenced for wgmma, then the block meets.
+  auto landed = [&]() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+    __syncthreads();
+  };
+  float sc[BN / 2];         // S, then P in fp32
+  uint32_t pa[BN / 16][4];  // P packed as the A fragments of O += P V, 16 keys each
+  // S = Q K^T (raw scores) of tile j: D / 16 steps of 16 dimensions, each inside one 64-wide panel.
+  auto qk = [&](int j) {
+    const uint32_t ks = k_s(j % STAGES);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t koff = uint32_t(kk & 3) * 32;  // 16 dimensions = 32 bytes into the swizzled row
+      wgmma_ss<T, BN>(sc, smem_desc(q_rows + uint32_t(kk >> 2) * BM * 128 + koff, 0, 1024),
+                      smem_desc(ks + uint32_t(kk >> 2) * BN * 128 + koff, 0, 1024), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // O += P V of tile j; V is MN-major (its 64-wide panels BN * 128 bytes apart, groups of 8 keys 1024 apart).
+  auto pv = [&](int j) {
+    const uint32_t vs = k_s(j % STAGES) + Cfg::kKvBytes;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#ifdef QRT_WGMMA_V_SWAP  // study only: the other reading of the MN-major offsets
+      wgmma_rs<T, D>(o, pa[kk], smem_desc(vs + uint32_t(kk) * 16 * 128, 1024, BN * 128), 1);
+#else
+      wgmma_rs<T, D>(o, pa[kk], smem_desc(vs + uint32_t(kk) * 16 * 128, BN * 128, 1024), 1);
+#endif
+    }
+    wgmma_commit();
+  };
+  // Causal mask and online softmax of tile j's scores (P = exp2 in sc); al: the factor for O.
+  auto softmax = [&](int j, float (&al)[2]) {
+    if ((j + 1) * BN - 1 > base_pos) {
+      const int pos0 = min(base_pos + row0 / G, max_pos);  // a row's last visible key (rows past the end:
+      const int pos1 = min(base_pos + (row0 + 8) / G, max_pos);  // the tile's last token's)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const int key = j * BN + i * 8 + (lane & 3) * 2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key + (e & 1) > (e < 2 ? pos0 : pos1)) sc[4 * i + e] = -INFINITY;
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY}, neg[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float mn = fmaxf(m[h], mx[h]);  // finite: every row sees key 0 in the first tile
+      al[h] = m[h] == -INFINITY ? 0.f : exp2f((m[h] - mn) * scale);
+      neg[h] = -mn * scale;
+      m[h] = mn;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      sc[i] = exp2f(fmaf(sc[i], scale, neg[(i >> 1) & 1]));
+      sum[(i >> 1) & 1] += sc[i];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * al[h] + sum[h];
+  };
+  auto rescale_and_pack = [&](const float (&al)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= al[(i >> 1) & 1];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack2<T>(sc[8 * kk], sc[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+  };
+
+  float al[2];
+  if constexpr (!OVERLAP) {
+    for (int j = 0; j < n_tiles; ++j) {
+      issue(j + STAGES - 1);
+      cp_async_wait<STAGES - 1>();
+      landed();
+      wgmma_fence();
+      qk(j);
+      wgmma_wait<0>();
+      wgmma_hold(sc);
+      softmax(j, al);
+      rescale_and_pack(al);  // all of P packed before the fence (registers written after it cost a wait)
+      wgmma_fence();
+      pv(j);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      __syncthreads();  // this stage is refilled STAGES - 1 tiles on
+    }
+  } else {
+    // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs. Tile j - 1's V is read during
+    // step j, so loads run STAGES - 2 tiles ahead.
+    issue(STAGES - 2);
+    cp_async_wait<STAGES - 2>();
+    landed();
+    wgmma_fence();
+    qk(0);
+    wgmma_wait<0>();
+    wgmma_hold(sc);
+    softmax(0, al);
+    rescale_and_pack(al);
+    for (int j = 1; j < n_tiles; ++j) {
+      issue(j + STAGES - 2);
+      cp_async_wait<STAGES - 2>();
+      landed();
+      wgmma_fence();
+      qk(j);
+      pv(j - 1);
+      wgmma_wait<1>();  // S of tile j (P V of tile j - 1 may still run)
+      wgmma_hold(sc);
+      softmax(j, al);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      rescale_and_pack(al);
+      __syncthreads();  // tile j - 1's stage is refilled next step
+    }
+    wgmma_fence();
+    pv(n_tiles - 1);
+    wgmma_wait<0>();
+    wgmma_hold(o);
+  }
+  cp_async_wait<0>();
+
+  T* out = static_cast<T*>(a.out);
+  const int col = (lane & 3) * 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = l[h];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    const float inv = 1.f / total;
+    const int r = row0 + h * 8;
+    if (r >= rows_valid) continue;
+    T* p = out + int64_t(qs0 + t0 + r / G) * a.out_stride + int64_t(kvh * G + r % G) * D + col;
+#pragma unroll
+    for (int i = 0; i < ND; ++i)
+      *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+  }
+#else
+  __trap();  // launched only on sm_90 with an sm_90a image (wgmma_takes)
+#endif
+}
