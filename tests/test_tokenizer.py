@@ -472,6 +472,26 @@ def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path):
         tok.apply_chat_template(msgs, tools=["get_weather"])
 
 
+@pytest.mark.parametrize("extra", [False, True])
+def test_template_files_replace_the_configs_templates(tmp_path, extra):
+    """chat_template.jinja (and additional_chat_templates/*.jinja) replace tokenizer_config's named templates,
+    as transformers loads them: with only the file, tools do not pick the config's "tool_use"."""
+    _train(tmp_path, template=NAMED_TEMPLATES, jinja_file="F{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    if extra:
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("FT{{ tools | length }}")
+    tok = Tokenizer.from_dir(tmp_path)
+    hf = _hf(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for kw in ({}, {"tools": tools}, {"chat_template": "tool_use", "tools": tools}):
+        if "chat_template" in kw and not extra:
+            continue  # with one template there are no names to pick
+        ours = tok.apply_chat_template(msgs, add_generation_prompt=False, **kw)
+        assert ours == hf.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False, **kw), kw
+    assert tok.apply_chat_template(msgs, tools=tools).startswith("FT1" if extra else "F<hi>")
+
+
 def _tool_functions():
     from typing import Literal, Optional, Union
 

@@ -117,8 +117,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike | None) -> "Tokenizer | None":
-        """Loads tokenizer.json (+ tokenizer_config.json, chat_template.jinja) from a folder; None when
-        the folder has no tokenizer.json."""
+        """Loads tokenizer.json (+ tokenizer_config.json, chat_template.jinja, additional_chat_templates/) from
+        a folder; None when the folder has no tokenizer.json."""
         if path is None:
             return None
         root = Path(path)
@@ -138,11 +138,19 @@ class Tokenizer:
                 cfg = json.loads(cp.read_text(encoding="utf-8"))
             except ValueError as e:
                 raise ValueError(f"{cp}: not valid JSON ({e})") from e
-        template = None
-        jp = root / "chat_template.jinja"
-        if jp.is_file():  # as in transformers, the separate file wins over tokenizer_config's entry
-            template = jp.read_text(encoding="utf-8")
-        return cls(tok, cfg, template)
+        # As transformers loads them: template files (chat_template.jinja as "default", and
+        # additional_chat_templates/<name>.jinja) replace tokenizer_config's chat_template entirely.
+        files = {}
+        if (root / "chat_template.jinja").is_file():
+            files["default"] = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        extra = root / "additional_chat_templates"
+        if extra.is_dir():
+            for f in sorted(extra.glob("*.jinja")):
+                files[f.stem] = f.read_text(encoding="utf-8")
+        if files:
+            cfg["chat_template"] = (files["default"] if list(files) == ["default"] else
+                                    [{"name": k, "template": v} for k, v in files.items()])
+        return cls(tok, cfg)
 
     # -- encode / decode ------------------------------------------------------------------------------
 
