@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the prefill attention: the study binaries (built here, carried in .ab/:
 # scripts/attn_prefill_study.cu, and the same with -DQRT_WGMMA_V_SWAP), then scripts/gpu_run.sh (build,
-# `pytest -m cuda`, bench with BENCH_ARGS), then the prefill bench again on the mma.sync tile kernel.
+# `pytest -m cuda`, bench with BENCH_ARGS), then the prefill bench again with QWEN_RT_PREFILL_ATTN=$AB_ATTN
+# (default wgmma: the kernel the default build does not take).
 # If the wgmma kernel disagrees with the tile kernel and the swapped V descriptor agrees, the build takes the swap.
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}
@@ -25,11 +26,13 @@ if ! agrees "$OUT/study.log"; then
     sed -i '1i #define QRT_WGMMA_V_SWAP 1' cpp/backend/cuda/attention_sm90.cuh
   else
     echo "neither V descriptor agrees: the wgmma kernel is off for this build"
-    export QWEN_RT_PREFILL_ATTN=mma
+    AB_ATTN=mma
   fi
 fi
 scripts/gpu_run.sh "$@"
+QWEN_RT_PREFILL_ATTN=${AB_ATTN:-wgmma} timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider \
+  tests/test_cuda_generate.py 2>&1 | tee "$OUT/pytest_generate_ab.log" | tail -5
 if [ -n "${BENCH_ARGS:-}" ]; then
-  QWEN_RT_PREFILL_ATTN=mma timeout 200 python3 -m qwen_rt.bench gpu --parts prefill --json "$OUT/bench_mma.jsonl" 2>&1 \
-    | tee "$OUT/bench_mma.log" | tail -15
+  QWEN_RT_PREFILL_ATTN=${AB_ATTN:-wgmma} timeout 200 python3 -m qwen_rt.bench gpu --parts prefill \
+    --json "$OUT/bench_ab.jsonl" 2>&1 | tee "$OUT/bench_ab.log" | tail -15
 fi

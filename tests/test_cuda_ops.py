@@ -552,6 +552,9 @@ PREFILL_CASES = [
     ([1000], [3000], 8, 8, 128, 16),  # chunked prefill over 2000 cached tokens
     ([129], [129], 24, 4, 256, 16),
     ([64, 3], [114, 3], 16, 4, 128, 64),
+    ([700, 1500], [900, 4000], 32, 8, 128, 16),  # many key tiles, ragged, over cached tokens
+    ([333], [333], 28, 4, 128, 16),  # GQA 7: rows per block not a multiple of the group
+    ([600], [1100], 8, 8, 64, 32),  # GQA 1, head_dim 64
 ]
 
 MIXED_CASES = [
@@ -569,15 +572,24 @@ def test_attention_decode(cpu, act, case):
     run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
 
 
+# The bf16/fp16 prefill kernel for head_dim 64/128: the mma.sync tile kernel, or on an sm_90 device with an
+# sm_90a build the wgmma kernel (elsewhere "wgmma" runs the tile kernel too).
+PREFILL_ATTN = ["mma", "wgmma"]
+
+
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"prefill-{c[0]}-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
-def test_attention_prefill(cpu, act, case):
+@pytest.mark.parametrize("kernel", PREFILL_ATTN)
+def test_attention_prefill(cpu, act, case, kernel, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_PREFILL_ATTN", kernel)
     run_attention(cpu, act, *case, seed=case[0][0])
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: f"mixed-{c[0]}-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
-def test_attention_mixed(cpu, act, case):
+@pytest.mark.parametrize("kernel", PREFILL_ATTN)
+def test_attention_mixed(cpu, act, case, kernel, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_PREFILL_ATTN", kernel)
     run_attention(cpu, act, *case, seed=sum(case[0]))
 
 

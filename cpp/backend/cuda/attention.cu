@@ -1254,18 +1254,18 @@ void launch_wgmma(const Tensor& q, const KvLayer& cache, const AttnBatch& b, con
   check_launch("attention (wgmma)");
 }
 
-// The wgmma kernel runs where this build has an sm_90a image and the device is sm_90 (QWEN_RT_PREFILL_ATTN=mma
-// keeps the tile kernel there).
+// The prefill kernel for head_dim 64/128: QWEN_RT_PREFILL_ATTN=wgmma or mma (read at every call, so the op
+// tests can set it), else kWgmmaDefault. wgmma runs only where this build has an sm_90a image and the device is
+// sm_90; elsewhere the tile kernel (mma) runs.
+constexpr bool kWgmmaDefault = false;
 bool wgmma_takes() {
 #ifdef QRT_HAVE_SM90A
-  static const bool off = [] {
-    const char* e = std::getenv("QWEN_RT_PREFILL_ATTN");
-    return e && std::strcmp(e, "mma") == 0;
-  }();
+  const char* e = std::getenv("QWEN_RT_PREFILL_ATTN");
+  const bool want = e && *e ? std::strcmp(e, "wgmma") == 0 : kWgmmaDefault;
   thread_local int dev = -1;
   thread_local bool sm90 = false;
   int cur = 0;
-  if (off || cudaGetDevice(&cur) != cudaSuccess) return false;
+  if (!want || cudaGetDevice(&cur) != cudaSuccess) return false;
   if (cur != dev) {
     int major = 0, minor = 0;
     sm90 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cur) == cudaSuccess &&
