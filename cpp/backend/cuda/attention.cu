@@ -423,6 +423,57 @@ struct TileArgs : AttnArgs {
   int tokens_per_tile;
 };
 
+// The rows and keys of one block of a prefill kernel (grid: tiles x kv heads x sequences, longest tiles first):
+// tokens t0 .. t0 + nt - 1 of sequence s against keys 0 .. n_keys - 1. Row r is token t0 + r / G, query head
+// kvh * G + r % G; token t0 sits at position base_pos and sees keys up to its own position.
+struct QTile {
+  int s, kvh, qs0, t0, nt, G, rows_valid, base_pos, max_pos, n_keys;
+  // Element offset of row r in Q or the output (row stride `stride`, head_dim D).
+  __device__ __forceinline__ int64_t row_offset(int r, int64_t stride, int D) const {
+    return int64_t(qs0 + t0 + r / G) * stride + int64_t(kvh * G + r % G) * D;
+  }
+};
+// False when this block's tile lies past its sequence's end (the block has nothing to do).
+__device__ __forceinline__ bool q_tile(const TileArgs& a, QTile& t) {
+  t.s = blockIdx.z;
+  t.kvh = blockIdx.y;
+  t.qs0 = a.q_start[t.s];
+  const int q_len = a.q_start[t.s + 1] - t.qs0;
+  t.t0 = (gridDim.x - 1 - blockIdx.x) * a.tokens_per_tile;
+  if (t.t0 >= q_len) return false;
+  t.G = a.group;
+  t.nt = min(a.tokens_per_tile, q_len - t.t0);
+  t.rows_valid = t.nt * t.G;
+  t.base_pos = a.ctx_len[t.s] - q_len + t.t0;
+  t.max_pos = t.base_pos + t.nt - 1;
+  t.n_keys = t.max_pos + 1;
+  return true;
+}
+// put(r, part, src, ok) for each 16-byte part of Q rows 0 .. ROWS - 1 (ok: a valid row; else src is a.q).
+template <typename T, int D, int ROWS, int THREADS, typename Put>
+__device__ __forceinline__ void for_q_parts(const TileArgs& a, const QTile& t, Put put) {
+  constexpr int CPR = D / 8;
+  for (int c = threadIdx.x; c < ROWS * CPR; c += THREADS) {
+    const int r = c / CPR, part = c - r * CPR;
+    const bool ok = r < t.rows_valid;
+    const T* src = static_cast<const T*>(a.q);
+    if (ok) src += t.row_offset(r, a.q_stride, D) + part * 8;
+    put(r, part, src, ok);
+  }
+}
+// put(i, part, k_src, v_src, ok) for each 16-byte part of keys j * BN + i, i < BN (ok: key < n_keys).
+template <typename T, int D, int BN, int THREADS, typename Put>
+__device__ __forceinline__ void for_kv_parts(const KvHead<T>& cache, int j, int n_keys, Put put) {
+  constexpr int CPR = D / 8;
+  for (int c = threadIdx.x; c < BN * CPR; c += THREADS) {
+    const int i = c / CPR, part = c - i * CPR;
+    const int key = j * BN + i;
+    const bool ok = key < n_keys;
+    const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
+    put(i, part, cache.k + crow + part * 8, cache.v + crow + part * 8, ok);
+  }
+}
+
 __device__ __forceinline__ void ldsm_x4(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -478,7 +529,6 @@ template <typename T, int D, int WARPS, int MT>
 __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a) {
   using Cfg = TileCfg<D, WARPS, MT>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, LD = Cfg::LD;
-  constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int NT = BN / 8;  // n-tiles of S
   constexpr int ND = D / 8;   // n-tiles of O
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -486,41 +536,23 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
   T* KVs = Qs + BM * LD;  // stage st: K at KVs + st*2*BN*LD, V after it
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int s = blockIdx.z, kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
-  const int qs0 = a.q_start[s];
-  const int q_len = a.q_start[s + 1] - qs0;
-  const int t0 = tile * a.tokens_per_tile;
-  if (t0 >= q_len) return;
-  const int G = a.group;
-  const int nt = min(a.tokens_per_tile, q_len - t0);
-  const int rows_valid = nt * G;
-  const int base_pos = a.ctx_len[s] - q_len + t0;  // position of the tile's first token
-  const int max_pos = base_pos + nt - 1;
-  const int n_keys = max_pos + 1;
-  const int n_tiles = (n_keys + BN - 1) / BN;
+  QTile qt;
+  if (!q_tile(a, qt)) return;
+  const int G = qt.G, base_pos = qt.base_pos, max_pos = qt.max_pos;
+  const int n_tiles = (qt.n_keys + BN - 1) / BN;
+  const KvHead<T> cache = kv_head<T, D>(a, qt.s, qt.kvh);
 
-  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
-
-  // Q rows: r -> (token t0 + r / G, head kvh * G + r % G).
-  for (int c = tid; c < BM * CPR; c += Cfg::kThreads) {
-    const int r = c / CPR, part = c - r * CPR;
-    const bool ok = r < rows_valid;
-    const T* src = static_cast<const T*>(a.q);
-    if (ok) src += int64_t(qs0 + t0 + r / G) * a.q_stride + int64_t(kvh * G + r % G) * D + part * 8;
+  for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
     cp_async16(Qs + r * LD + part * 8, src, ok);
-  }
+  });
   auto issue = [&](int j, int stage) {
     T* ks = KVs + stage * 2 * BN * LD;
     T* vs = ks + BN * LD;
-    for (int c = tid; c < BN * CPR; c += Cfg::kThreads) {
-      const int t = c / CPR, part = c - t * CPR;
-      const int key = j * BN + t;
-      const bool ok = key < n_keys;
-      const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
-      cp_async16(ks + t * LD + part * 8, cache.k + crow + part * 8, ok);
-      cp_async16(vs + t * LD + part * 8, cache.v + crow + part * 8, ok);
-    }
+    for_kv_parts<T, D, BN, Cfg::kThreads>(cache, j, qt.n_keys,
+                                          [&](int i, int part, const T* k_src, const T* v_src, bool ok) {
+      cp_async16(ks + i * LD + part * 8, k_src, ok);
+      cp_async16(vs + i * LD + part * 8, v_src, ok);
+    });
     cp_async_commit();
   };
   issue(0, 0);  // Q joins the first group
@@ -655,8 +687,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const float inv = 1.f / sum;
       const int r = row0 + mt * 16 + h * 8;
-      if (r >= rows_valid) continue;
-      T* p = out + int64_t(qs0 + t0 + r / G) * a.out_stride + int64_t(kvh * G + r % G) * D + col;
+      if (r >= qt.rows_valid) continue;
+      T* p = out + qt.row_offset(r, a.out_stride, D) + col;
 #pragma unroll
       for (int i = 0; i < ND; ++i)
         *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[mt][i][2 * h] * inv, o[mt][i][2 * h + 1] * inv);
@@ -1257,7 +1289,7 @@ void launch_wgmma(const Tensor& q, const KvLayer& cache, const AttnBatch& b, con
 // The prefill kernel for head_dim 64/128: QWEN_RT_PREFILL_ATTN=wgmma or mma (read at every call, so the op
 // tests can set it), else kWgmmaDefault. wgmma runs only where this build has an sm_90a image and the device is
 // sm_90; elsewhere the tile kernel (mma) runs.
-constexpr bool kWgmmaDefault = true;  // H100: 1.06-1.12x the tile kernel at 1k-32k (session 16)
+constexpr bool kWgmmaDefault = true;
 bool wgmma_takes() {
 #ifdef QRT_HAVE_SM90A
   const char* e = std::getenv("QWEN_RT_PREFILL_ATTN");
@@ -1290,7 +1322,9 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     return e && std::strcmp(e, "8x1") == 0;
   }();
   if constexpr (D <= 128) {
-    if (wgmma_takes()) return launch_wgmma<T, D, 128, 2, 3, true>(q, cache, b, sh, out, st);
+    // 64 keys a tile, 4 stages; three warpgroups (192 rows) at head_dim 128, two at 64 (H100, session 16:
+    // the fastest forms of scripts/attn_prefill_study.cu, 1.2-1.3x the tile kernel).
+    if (wgmma_takes()) return launch_wgmma<T, D, 64, D == 128 ? 3 : 2, 4, true>(q, cache, b, sh, out, st);
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
   }
   launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);

@@ -141,47 +141,31 @@ template <typename T, int D, int BN, int WG, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgmmaCfg<D, BN, WG, STAGES>;
-  constexpr int BM = Cfg::BM, CPR = D / 8, NT = BN / 8, ND = D / 8;
+  constexpr int BM = Cfg::BM, NT = BN / 8, ND = D / 8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
   auto k_s = [&](int stage) { return q_s + Cfg::kQBytes + uint32_t(stage) * 2 * Cfg::kKvBytes; };
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int s = blockIdx.z, kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
-  const int qs0 = a.q_start[s];
-  const int q_len = a.q_start[s + 1] - qs0;
-  const int t0 = tile * a.tokens_per_tile;
-  if (t0 >= q_len) return;
-  const int G = a.group;
-  const int nt = min(a.tokens_per_tile, q_len - t0);
-  const int rows_valid = nt * G;
-  const int base_pos = a.ctx_len[s] - q_len + t0;  // position of the tile's first token
-  const int max_pos = base_pos + nt - 1;
-  const int n_keys = max_pos + 1;
-  const int n_tiles = (n_keys + BN - 1) / BN;
-  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
+  QTile qt;
+  if (!q_tile(a, qt)) return;
+  const int G = qt.G, base_pos = qt.base_pos, max_pos = qt.max_pos;
+  const int n_tiles = (qt.n_keys + BN - 1) / BN;
+  const KvHead<T> cache = kv_head<T, D>(a, qt.s, qt.kvh);
 
-  for (int c = tid; c < BM * CPR; c += Cfg::kThreads) {
-    const int r = c / CPR, part = c - r * CPR;
-    const bool ok = r < rows_valid;
-    const T* src = static_cast<const T*>(a.q);
-    if (ok) src += int64_t(qs0 + t0 + r / G) * a.q_stride + int64_t(kvh * G + r % G) * D + part * 8;
+  for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
     cp_async16_to(q_s + swizzled(BM, r, part), src, ok);
-  }
+  });
   // Tile j of keys into stage j % STAGES (keys past the end are zeros); a group is committed either way.
   auto issue = [&](int j) {
     if (j < n_tiles) {
       const uint32_t ks = k_s(j % STAGES), vs = ks + Cfg::kKvBytes;
-      for (int c = tid; c < BN * CPR; c += Cfg::kThreads) {
-        const int t = c / CPR, part = c - t * CPR;
-        const int key = j * BN + t;
-        const bool ok = key < n_keys;
-        const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
-        const uint32_t off = swizzled(BN, t, part);
-        cp_async16_to(ks + off, cache.k + crow + part * 8, ok);
-        cp_async16_to(vs + off, cache.v + crow + part * 8, ok);
-      }
+      for_kv_parts<T, D, BN, Cfg::kThreads>(cache, j, qt.n_keys,
+                                            [&](int i, int part, const T* k_src, const T* v_src, bool ok) {
+        const uint32_t off = swizzled(BN, i, part);
+        cp_async16_to(ks + off, k_src, ok);
+        cp_async16_to(vs + off, v_src, ok);
+      });
     }
     cp_async_commit();
   };
@@ -222,11 +206,7 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
     const uint32_t vs = k_s(j % STAGES) + Cfg::kKvBytes;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-#ifdef QRT_WGMMA_V_SWAP  // study only: the other reading of the MN-major offsets
-      wgmma_rs<T, D>(o, pa[kk], smem_desc(vs + uint32_t(kk) * 16 * 128, 1024, BN * 128), 1);
-#else
       wgmma_rs<T, D>(o, pa[kk], smem_desc(vs + uint32_t(kk) * 16 * 128, BN * 128, 1024), 1);
-#endif
     }
     wgmma_commit();
   };
@@ -336,8 +316,8 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
     total += __shfl_xor_sync(0xffffffffu, total, 2);
     const float inv = 1.f / total;
     const int r = row0 + h * 8;
-    if (r >= rows_valid) continue;
-    T* p = out + int64_t(qs0 + t0 + r / G) * a.out_stride + int64_t(kvh * G + r % G) * D + col;
+    if (r >= qt.rows_valid) continue;
+    T* p = out + qt.row_offset(r, a.out_stride, D) + col;
 #pragma unroll
     for (int i = 0; i < ND; ++i)
       *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
