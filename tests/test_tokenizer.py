@@ -267,6 +267,47 @@ def test_detok_window_is_bounded(tok):
     assert max(calls) <= 12  # never the whole sequence
 
 
+class _Bytes:
+    """A byte-level tokenizer stub: id i decodes to PIECES[i]; a decode joins the bytes and replaces what is not
+    UTF-8 with U+FFFD (as byte-level BPE decoders do)."""
+    PIECES = [b"STO", b"P\xc3", b"\xa9!", b"\xe4", b"\xbd", b"\xa0", b"ok", b"\xc3", b"\xf0\x9f", b"\x99\x82", b"\x80"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_detok_emits_complete_characters_before_an_incomplete_one():
+    det = IncrementalDetokenizer(_Bytes())
+    # "P" arrives with the token that also starts "é": it is emitted with that token, not one later.
+    assert [det.push([i]) for i in (0, 1, 2)] == ["STO", "P", "é!"]
+    det = IncrementalDetokenizer(_Bytes())
+    assert [det.push([i]) for i in (6, 3, 4, 5, 6)] == ["ok", "", "", "你", "ok"]
+    assert det.flush() == "" and det.text == "ok你ok"
+    det = IncrementalDetokenizer(_Bytes())
+    assert [det.push([i]) for i in (1, 7)] == ["P", ""]
+    assert det.flush() == "\ufffd\ufffd" and det.text == _Bytes().decode([1, 7])
+
+
+def test_detok_byte_stub_random_streams():
+    stub, rng = _Bytes(), random.Random(1)
+    for _ in range(2000):
+        ids = [rng.randrange(len(_Bytes.PIECES)) for _ in range(rng.randint(0, 12))]
+        full = stub.decode(ids)
+        det, acc = IncrementalDetokenizer(stub), ""
+        for i in ids:
+            acc += det.push([i])
+            assert full.startswith(acc), (ids, acc)
+        acc += det.flush()
+        assert acc == full, ids
+
+
+def test_stop_string_seen_at_the_token_that_completes_it():
+    # The stop "STOP" ends inside token 1, whose bytes also start "é": the stream stops at token 1.
+    det, m = IncrementalDetokenizer(_Bytes()), StopMatcher(["STOP"])
+    seen = [m.feed(det.push([i])) for i in (0, 1)]
+    assert seen == [("", False), ("", True)]
+
+
 # -- stop strings --------------------------------------------------------------------------------------
 
 def _reference_stop(text, stops):

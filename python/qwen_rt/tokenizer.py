@@ -209,8 +209,9 @@ class IncrementalDetokenizer:
 
     Decodes only a short window: ids[prefix_offset:read_offset] is text already emitted (kept as
     context, so that decoders which treat a sequence's start specially agree with a full decode), and
-    ids[read_offset:] the ids not yet emitted. Text that ends in U+FFFD (an incomplete UTF-8 sequence)
-    is held back until it completes, or until flush().
+    ids[read_offset:] the ids not yet fully emitted. When their text ends in U+FFFD (an incomplete UTF-8
+    sequence), the complete characters before it are emitted at once (a stop string that a token completes
+    is seen at that token) and the rest is held back until it completes, or until flush().
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -220,6 +221,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""  # everything emitted so far
+        self._partial = 0  # characters of ids[read_offset:]'s text already emitted (complete ones before a U+FFFD)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -231,13 +233,23 @@ class IncrementalDetokenizer:
         self.ids.extend(new)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if new_text.endswith("\ufffd") or not new_text.startswith(prefix_text):
-            return ""  # incomplete character: wait for more ids
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
+        if not new_text.startswith(prefix_text):
+            return ""  # wait for more ids
+        pending = new_text[len(prefix_text):]
+        if pending.endswith("\ufffd"):  # incomplete character: emit what precedes it, hold the rest
+            done = pending.rstrip("\ufffd")
+            delta = done[self._partial:]
+            self._partial = max(self._partial, len(done))
+        else:
+            delta = pending[self._partial:]
+            self._advance()
         self.text += delta
         return delta
+
+    def _advance(self):
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self._partial = 0
 
     def flush(self) -> str:
         """Emits what is held back (an incomplete character becomes U+FFFD, as in a full decode)."""
@@ -246,12 +258,11 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if new_text.startswith(prefix_text):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) + self._partial:]
         else:  # cannot happen for byte-level/sentencepiece decoders; fall back to a full decode
             full = self._decode(self.ids)
             delta = full[len(self.text):] if full.startswith(self.text) else ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
+        self._advance()
         self.text += delta
         return delta
 
