@@ -449,11 +449,12 @@ __device__ __forceinline__ bool q_tile(const TileArgs& a, QTile& t) {
   t.n_keys = t.max_pos + 1;
   return true;
 }
-// put(r, part, src, ok) for each 16-byte part of Q rows 0 .. ROWS - 1 (ok: a valid row; else src is a.q).
+// put(r, part, src, ok) for each 16-byte part of Q rows 0 .. ROWS - 1 (ok: a valid row; else src is a.q), THREADS
+// threads numbered from 0 (`me`) sharing the parts.
 template <typename T, int D, int ROWS, int THREADS, typename Put>
-__device__ __forceinline__ void for_q_parts(const TileArgs& a, const QTile& t, Put put) {
+__device__ __forceinline__ void for_q_parts(const TileArgs& a, const QTile& t, Put put, int me) {
   constexpr int CPR = D / 8;
-  for (int c = threadIdx.x; c < ROWS * CPR; c += THREADS) {
+  for (int c = me; c < ROWS * CPR; c += THREADS) {
     const int r = c / CPR, part = c - r * CPR;
     const bool ok = r < t.rows_valid;
     const T* src = static_cast<const T*>(a.q);
@@ -461,11 +462,12 @@ __device__ __forceinline__ void for_q_parts(const TileArgs& a, const QTile& t, P
     put(r, part, src, ok);
   }
 }
-// put(i, part, k_src, v_src, ok) for each 16-byte part of keys j * BN + i, i < BN (ok: key < n_keys).
+// put(i, part, k_src, v_src, ok) for each 16-byte part of keys j * BN + i, i < BN (ok: key < n_keys), shared as
+// for_q_parts.
 template <typename T, int D, int BN, int THREADS, typename Put>
-__device__ __forceinline__ void for_kv_parts(const KvHead<T>& cache, int j, int n_keys, Put put) {
+__device__ __forceinline__ void for_kv_parts(const KvHead<T>& cache, int j, int n_keys, Put put, int me) {
   constexpr int CPR = D / 8;
-  for (int c = threadIdx.x; c < BN * CPR; c += THREADS) {
+  for (int c = me; c < BN * CPR; c += THREADS) {
     const int i = c / CPR, part = c - i * CPR;
     const int key = j * BN + i;
     const bool ok = key < n_keys;
@@ -544,7 +546,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
 
   for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
     cp_async16(Qs + r * LD + part * 8, src, ok);
-  });
+  }, tid);
   auto issue = [&](int j, int stage) {
     T* ks = KVs + stage * 2 * BN * LD;
     T* vs = ks + BN * LD;
@@ -552,7 +554,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
                                           [&](int i, int part, const T* k_src, const T* v_src, bool ok) {
       cp_async16(ks + i * LD + part * 8, k_src, ok);
       cp_async16(vs + i * LD + part * 8, v_src, ok);
-    });
+    }, tid);
     cp_async_commit();
   };
   issue(0, 0);  // Q joins the first group
@@ -1270,11 +1272,11 @@ void launch_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, cons
   check_launch("attention (tile)");
 }
 
-template <typename T, int D, int BN, int WG, int STAGES, bool OVERLAP>
+template <typename T, int D, int BN, int WG, int STAGES, int PIPE>
 void launch_wgmma(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
                   cudaStream_t st) {
-  using Cfg = WgmmaCfg<D, BN, WG, STAGES>;
-  const auto kernel = attn_wgmma_kernel<T, D, BN, WG, STAGES, OVERLAP>;
+  using Cfg = WgmmaCfg<D, BN, WG, STAGES, PIPE>;
+  const auto kernel = attn_wgmma_kernel<T, D, BN, WG, STAGES, PIPE>;
   TileArgs a;
   attn_args(a, q, cache, b, sh, out);
   a.tokens_per_tile = Cfg::BM / a.group;
@@ -1322,9 +1324,9 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     return e && std::strcmp(e, "8x1") == 0;
   }();
   if constexpr (D <= 128) {
-    // 64 keys a tile, 4 stages; three warpgroups (192 rows) at head_dim 128, two at 64 (H100, session 16:
-    // the fastest forms of scripts/attn_prefill_study.cu, 1.2-1.3x the tile kernel).
-    if (wgmma_takes()) return launch_wgmma<T, D, 64, D == 128 ? 3 : 2, 4, true>(q, cache, b, sh, out, st);
+    // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
+    // the fastest form of scripts/attn_prefill_study.cu, 1.5-2.0x the tile kernel at head_dim 128, 1.5-1.8x at 64).
+    if (wgmma_takes()) return launch_wgmma<T, D, 64, 3, 4, kPipeProducer>(q, cache, b, sh, out, st);
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
   }
   launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);

@@ -7,7 +7,10 @@
 // [rows][64] elements, row r's 16-byte chunk c of a panel at r * 128 + ((c ^ (r % 8)) * 16). Per tile of keys:
 // S = Q K^T (both operands from shared memory, K-major), the causal mask and online softmax in registers
 // (log2 units, as the tile kernel), then O += P V with P from registers and V read transposed (MN-major).
-// Every thread also loads: K/V tiles by cp.async, STAGES - 1 tiles ahead.
+// Loads (PIPE): kPipeSync and kPipeOverlap have every thread load K/V tiles by cp.async and meet at a block
+// barrier per tile; kPipeProducer adds a producer warpgroup that alone loads Q and K/V (cp.async, completion
+// signalled on a per-stage mbarrier) and hands most of its registers to the others, while the computing
+// warpgroups go at their own pace and hand a stage back on a second mbarrier once their P V has read it.
 
 #define QRT_WGMMA_SS_N64(TY)                                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                      \
@@ -128,19 +131,45 @@ __device__ __forceinline__ void cp_async16_to(uint32_t smem_addr, const void* gm
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-// OVERLAP: the softmax of a tile runs while the tensor cores do the previous tile's P V.
-template <int D, int BN, int WG, int STAGES> struct WgmmaCfg {
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// The barrier's arrival, once every cp.async this thread issued before has landed (counted in its init).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n" ::"r"(
+          bar),
+      "r"(parity)
+      : "memory");
+}
+
+// How a block loads and meets (see the top of this file). kPipeOverlap and kPipeProducer run the softmax of a
+// tile while the tensor cores do the previous tile's P V.
+enum WgmmaPipe { kPipeSync = 0, kPipeOverlap = 1, kPipeProducer = 2 };
+
+template <int D, int BN, int WG, int STAGES, int PIPE = kPipeOverlap> struct WgmmaCfg {
   static constexpr int BM = 64 * WG;  // rows per block
-  static constexpr int kThreads = 128 * WG;
+  static constexpr int kThreads = 128 * WG + (PIPE == kPipeProducer ? 128 : 0);
+  // kPipeProducer's registers per thread: the producer warpgroup gives its registers up to the computing ones.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kComputeRegs = ((65536 - 128 * kProducerRegs) / (128 * WG)) & ~7;
   static constexpr int kQBytes = BM * D * 2;
   static constexpr int kKvBytes = BN * D * 2;  // K or V of one stage
   static constexpr size_t smem = 1024 + kQBytes + size_t(STAGES) * 2 * kKvBytes;  // + alignment of the panels
 };
 
-template <typename T, int D, int BN, int WG, int STAGES, bool OVERLAP>
-__global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs a) {
+template <typename T, int D, int BN, int WG, int STAGES, int PIPE>
+__global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1) attn_wgmma_kernel(const TileArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = WgmmaCfg<D, BN, WG, STAGES>;
+  using Cfg = WgmmaCfg<D, BN, WG, STAGES, PIPE>;
+  constexpr bool OVERLAP = PIPE != kPipeSync;
   constexpr int BM = Cfg::BM, NT = BN / 8, ND = D / 8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
@@ -153,9 +182,53 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
   const int n_tiles = (qt.n_keys + BN - 1) / BN;
   const KvHead<T> cache = kv_head<T, D>(a, qt.s, qt.kvh);
 
-  for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
-    cp_async16_to(q_s + swizzled(BM, r, part), src, ok);
-  });
+  // kPipeProducer: stage st is loaded when full[st] completes a phase, free again when empty[st] does.
+  __shared__ __align__(8) uint64_t bars[2 * STAGES];
+  const uint32_t full0 = uint32_t(__cvta_generic_to_shared(bars)), empty0 = full0 + 8 * STAGES;
+  if constexpr (PIPE == kPipeProducer) {
+    if (tid == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        mbar_init(full0 + 8 * st, 128);     // every producer thread
+        mbar_init(empty0 + 8 * st, 4 * WG);  // every computing warp
+      }
+    }
+    __syncthreads();
+    if (tid >= 128 * WG) {  // the producer warpgroup
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::kProducerRegs));
+      const int me = tid - 128 * WG, pw = me >> 5;
+      for_q_parts<T, D, BM, 128>(a, qt, [&](int r, int part, const T* src, bool ok) {
+        cp_async16_to(q_s + swizzled(BM, r, part), src, ok);
+      }, me);
+      // Producer warp pw loads keys pw * kKeys .. + kKeys of a tile: lane l finds the cache row of key l % kKeys;
+      // each step, lanes take 16-byte parts of kKeysPerStep consecutive keys (a key's row is contiguous).
+      constexpr int kKeys = BN / 4, kLanesPerKey = D / 8, kKeysPerStep = 32 / kLanesPerKey;
+      static_assert(kKeys <= 32 && kKeys % kKeysPerStep == 0, "attn_wgmma_kernel: producer key split");
+      const int part = lane % kLanesPerKey, sub = lane / kLanesPerKey;
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % STAGES;
+        if (j >= STAGES) mbar_wait(empty0 + 8 * st, uint32_t((j / STAGES - 1) & 1));
+        const int mine = j * BN + pw * kKeys + lane % kKeys;
+        const int64_t my_row = mine < qt.n_keys ? cache.row(mine) * cache.cols : -1;
+        const uint32_t ks = k_s(st), vs = ks + Cfg::kKvBytes;
+#pragma unroll
+        for (int i = 0; i < kKeys; i += kKeysPerStep) {
+          const int64_t crow = __shfl_sync(0xffffffffu, my_row, i + sub);
+          const bool ok = crow >= 0;
+          const uint32_t off = swizzled(BN, pw * kKeys + i + sub, part);
+          cp_async16_to(ks + off, cache.k + (ok ? crow : 0) + part * 8, ok);
+          cp_async16_to(vs + off, cache.v + (ok ? crow : 0) + part * 8, ok);
+        }
+        mbar_arrive_cp_async(full0 + 8 * st);  // Q joins tile 0
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Cfg::kComputeRegs));
+  } else {
+    for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
+      cp_async16_to(q_s + swizzled(BM, r, part), src, ok);
+    }, tid);
+  }
   // Tile j of keys into stage j % STAGES (keys past the end are zeros); a group is committed either way.
   auto issue = [&](int j) {
     if (j < n_tiles) {
@@ -165,14 +238,16 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
         const uint32_t off = swizzled(BN, i, part);
         cp_async16_to(ks + off, k_src, ok);
         cp_async16_to(vs + off, v_src, ok);
-      });
+      }, tid);
     }
     cp_async_commit();
   };
   constexpr int kAhead = OVERLAP ? STAGES - 2 : STAGES - 1;  // tiles in flight ahead of the one computed
   static_assert(kAhead >= 1, "attn_wgmma_kernel: OVERLAP takes 3 or more stages");
+  if constexpr (PIPE != kPipeProducer) {
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) issue(j);  // Q joins the first group
+    for (int j = 0; j < kAhead; ++j) issue(j);  // Q joins the first group
+  }
 
   // This thread's accumulator rows: row0 (elements 0, 1 of each 8 columns) and row0 + 8 (2, 3).
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);
@@ -276,9 +351,17 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
   } else {
     // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs. Tile j - 1's V is read during
     // step j, so loads run STAGES - 2 tiles ahead.
-    issue(STAGES - 2);
-    cp_async_wait<STAGES - 2>();
-    landed();
+    auto arrived = [&](int j) {  // tile j is in shared memory, visible to wgmma
+      if constexpr (PIPE == kPipeProducer) {
+        mbar_wait(full0 + 8 * (j % STAGES), uint32_t((j / STAGES) & 1));
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      } else {
+        issue(j + STAGES - 2);
+        cp_async_wait<STAGES - 2>();
+        landed();
+      }
+    };
+    arrived(0);
     wgmma_fence();
     qk(0);
     wgmma_wait<0>();
@@ -286,9 +369,7 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
     softmax(0, al);
     rescale_and_pack(al);
     for (int j = 1; j < n_tiles; ++j) {
-      issue(j + STAGES - 2);
-      cp_async_wait<STAGES - 2>();
-      landed();
+      arrived(j);
       wgmma_fence();
       qk(j);
       pv(j - 1);
@@ -297,8 +378,13 @@ __global__ void __launch_bounds__(WG * 128, 1) attn_wgmma_kernel(const TileArgs 
       softmax(j, al);
       wgmma_wait<0>();
       wgmma_hold(o);
-      rescale_and_pack(al);
-      __syncthreads();  // tile j - 1's stage is refilled next step
+      if constexpr (PIPE == kPipeProducer) {
+        if (lane == 0) mbar_arrive(empty0 + 8 * ((j - 1) % STAGES));  // tile j - 1 read: its stage is free
+        rescale_and_pack(al);
+      } else {
+        rescale_and_pack(al);
+        __syncthreads();  // tile j - 1's stage is refilled next step
+      }
     }
     wgmma_fence();
     pv(n_tiles - 1);
