@@ -1325,7 +1325,7 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   }();
   if constexpr (D <= 128) {
     // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
-    // the fastest form of scripts/attn_prefill_study.cu, 1.5-2.0x the tile kernel at head_dim 128, 1.5-1.8x at 64).
+    // the fastest form of scripts/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).
     if (wgmma_takes()) return launch_wgmma<T, D, 64, 3, 4, kPipeProducer>(q, cache, b, sh, out, st);
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
   }

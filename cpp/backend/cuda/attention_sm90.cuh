@@ -7,8 +7,8 @@
 // [rows][64] elements, row r's 16-byte chunk c of a panel at r * 128 + ((c ^ (r % 8)) * 16). Per tile of keys:
 // S = Q K^T (both operands from shared memory, K-major), the causal mask and online softmax in registers
 // (log2 units, as the tile kernel), then O += P V with P from registers and V read transposed (MN-major).
-// Loads (PIPE): kPipeSync and kPipeOverlap have every thread load K/V tiles by cp.async and meet at a block
-// barrier per tile; kPipeProducer adds a producer warpgroup that alone loads Q and K/V (cp.async, completion
+// The softmax of a tile runs while the tensor cores do the previous tile's P V. Loads (PIPE): kPipeOverlap has
+// every thread load K/V tiles by cp.async and meet at a block barrier per tile; kPipeProducer adds a producer warpgroup that alone loads Q and K/V (cp.async, completion
 // signalled on a per-stage mbarrier) and hands most of its registers to the others, while the computing
 // warpgroups go at their own pace and hand a stage back on a second mbarrier once their P V has read it.
 
@@ -150,11 +150,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// How a block loads and meets (see the top of this file). kPipeOverlap and kPipeProducer run the softmax of a
-// tile while the tensor cores do the previous tile's P V.
-enum WgmmaPipe { kPipeSync = 0, kPipeOverlap = 1, kPipeProducer = 2 };
+// cp.async writes (generic proxy) -> wgmma reads (async proxy) of shared memory.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-template <int D, int BN, int WG, int STAGES, int PIPE = kPipeOverlap> struct WgmmaCfg {
+// How a block loads and meets (see the top of this file).
+enum WgmmaPipe { kPipeOverlap = 0, kPipeProducer = 1 };
+
+template <int D, int BN, int WG, int STAGES, int PIPE> struct WgmmaCfg {
   static constexpr int BM = 64 * WG;  // rows per block
   static constexpr int kThreads = 128 * WG + (PIPE == kPipeProducer ? 128 : 0);
   // kPipeProducer's registers per thread: the producer warpgroup gives its registers up to the computing ones.
@@ -169,7 +171,6 @@ template <typename T, int D, int BN, int WG, int STAGES, int PIPE>
 __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1) attn_wgmma_kernel(const TileArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgmmaCfg<D, BN, WG, STAGES, PIPE>;
-  constexpr bool OVERLAP = PIPE != kPipeSync;
   constexpr int BM = Cfg::BM, NT = BN / 8, ND = D / 8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
@@ -242,11 +243,11 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     }
     cp_async_commit();
   };
-  constexpr int kAhead = OVERLAP ? STAGES - 2 : STAGES - 1;  // tiles in flight ahead of the one computed
-  static_assert(kAhead >= 1, "attn_wgmma_kernel: OVERLAP takes 3 or more stages");
-  if constexpr (PIPE != kPipeProducer) {
+  // Tile j - 1's V is read while tile j is computed, so loads run STAGES - 2 tiles ahead.
+  static_assert(STAGES >= 3, "attn_wgmma_kernel: takes 3 or more stages");
+  if constexpr (PIPE == kPipeOverlap) {
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) issue(j);  // Q joins the first group
+    for (int j = 0; j < STAGES - 2; ++j) issue(j);  // Q joins the first group
   }
 
   // This thread's accumulator rows: row0 (elements 0, 1 of each 8 columns) and row0 + 8 (2, 3).
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
 
   // Every thread's part of tile j is in shared memory, fenced for wgmma, then the block meets.
   auto landed = [&]() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+    fence_async_shared();
     __syncthreads();
   };
   float sc[BN / 2];         // S, then P in fp32
@@ -331,66 +332,46 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
   };
 
   float al[2];
-  if constexpr (!OVERLAP) {
-    for (int j = 0; j < n_tiles; ++j) {
-      issue(j + STAGES - 1);
-      cp_async_wait<STAGES - 1>();
+  // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs.
+  auto arrived = [&](int j) {  // tile j is in shared memory, visible to wgmma
+    if constexpr (PIPE == kPipeProducer) {
+      mbar_wait(full0 + 8 * (j % STAGES), uint32_t((j / STAGES) & 1));
+      fence_async_shared();
+    } else {
+      issue(j + STAGES - 2);
+      cp_async_wait<STAGES - 2>();
       landed();
-      wgmma_fence();
-      qk(j);
-      wgmma_wait<0>();
-      wgmma_hold(sc);
-      softmax(j, al);
-      rescale_and_pack(al);  // all of P packed before the fence (registers written after it cost a wait)
-      wgmma_fence();
-      pv(j);
-      wgmma_wait<0>();
-      wgmma_hold(o);
-      __syncthreads();  // this stage is refilled STAGES - 1 tiles on
     }
-  } else {
-    // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs. Tile j - 1's V is read during
-    // step j, so loads run STAGES - 2 tiles ahead.
-    auto arrived = [&](int j) {  // tile j is in shared memory, visible to wgmma
-      if constexpr (PIPE == kPipeProducer) {
-        mbar_wait(full0 + 8 * (j % STAGES), uint32_t((j / STAGES) & 1));
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      } else {
-        issue(j + STAGES - 2);
-        cp_async_wait<STAGES - 2>();
-        landed();
-      }
-    };
-    arrived(0);
+  };
+  arrived(0);
+  wgmma_fence();
+  qk(0);
+  wgmma_wait<0>();
+  wgmma_hold(sc);
+  softmax(0, al);
+  rescale_and_pack(al);
+  for (int j = 1; j < n_tiles; ++j) {
+    arrived(j);
     wgmma_fence();
-    qk(0);
-    wgmma_wait<0>();
+    qk(j);
+    pv(j - 1);
+    wgmma_wait<1>();  // S of tile j (P V of tile j - 1 may still run)
     wgmma_hold(sc);
-    softmax(0, al);
-    rescale_and_pack(al);
-    for (int j = 1; j < n_tiles; ++j) {
-      arrived(j);
-      wgmma_fence();
-      qk(j);
-      pv(j - 1);
-      wgmma_wait<1>();  // S of tile j (P V of tile j - 1 may still run)
-      wgmma_hold(sc);
-      softmax(j, al);
-      wgmma_wait<0>();
-      wgmma_hold(o);
-      if constexpr (PIPE == kPipeProducer) {
-        if (lane == 0) mbar_arrive(empty0 + 8 * ((j - 1) % STAGES));  // tile j - 1 read: its stage is free
-        rescale_and_pack(al);
-      } else {
-        rescale_and_pack(al);
-        __syncthreads();  // tile j - 1's stage is refilled next step
-      }
-    }
-    wgmma_fence();
-    pv(n_tiles - 1);
+    softmax(j, al);
     wgmma_wait<0>();
     wgmma_hold(o);
+    if constexpr (PIPE == kPipeProducer) {
+      if (lane == 0) mbar_arrive(empty0 + 8 * ((j - 1) % STAGES));  // tile j - 1 read: its stage is free
+      rescale_and_pack(al);
+    } else {
+      rescale_and_pack(al);
+      __syncthreads();  // tile j - 1's stage is refilled next step
+    }
   }
+  wgmma_fence();
+  pv(n_tiles - 1);
+  wgmma_wait<0>();
+  wgmma_hold(o);
   cp_async_wait<0>();
 
   T* out = static_cast<T*>(a.out);
