@@ -62,13 +62,13 @@ struct Kernel {
 template <int D> std::vector<Kernel> kernels() {
   using B = __nv_bfloat16;
   return {{"tile 4x2", launch_tile<B, D, 4, 2>},
-          {"overlap 128x2 s3", launch_wgmma<B, D, 128, 2, 3, kPipeOverlap>},
-          {"overlap 64x2 s4", launch_wgmma<B, D, 64, 2, 4, kPipeOverlap>},
           {"overlap 64x3 s4", launch_wgmma<B, D, 64, 3, 4, kPipeOverlap>},
-          {"producer 128x2 s3", launch_wgmma<B, D, 128, 2, 3, kPipeProducer>},
           {"producer 64x2 s4", launch_wgmma<B, D, 64, 2, 4, kPipeProducer>},
           {"producer 64x3 s4", launch_wgmma<B, D, 64, 3, 4, kPipeProducer>},
-          {"producer 64x3 s5", launch_wgmma<B, D, 64, 3, 5, kPipeProducer>}};
+          {"producer 128x2 s3", launch_wgmma<B, D, 128, 2, 3, kPipeProducer>},
+          {"pingpong 64x2 s4", launch_wgmma<B, D, 64, 2, 4, kPipePingPong>},
+          {"pingpong 64x3 s4", launch_wgmma<B, D, 64, 3, 4, kPipePingPong>},
+          {"pingpong 128x2 s3", launch_wgmma<B, D, 128, 2, 3, kPipePingPong>}};
 }
 
 void run_case(const Case& c, int Hq, int Hkv, int D, cudaStream_t st) {

@@ -7,10 +7,13 @@
 // [rows][64] elements, row r's 16-byte chunk c of a panel at r * 128 + ((c ^ (r % 8)) * 16). Per tile of keys:
 // S = Q K^T (both operands from shared memory, K-major), the causal mask and online softmax in registers
 // (log2 units, as the tile kernel), then O += P V with P from registers and V read transposed (MN-major).
-// The softmax of a tile runs while the tensor cores do the previous tile's P V. Loads (PIPE): kPipeOverlap has
-// every thread load K/V tiles by cp.async and meet at a block barrier per tile; kPipeProducer adds a producer warpgroup that alone loads Q and K/V (cp.async, completion
-// signalled on a per-stage mbarrier) and hands most of its registers to the others, while the computing
-// warpgroups go at their own pace and hand a stage back on a second mbarrier once their P V has read it.
+// The softmax of a tile runs while the tensor cores do the previous tile's P V where the registers allow
+// (kSoftmaxUnderPV), else a warpgroup takes one tile at a time. Loads and meetings (PIPE):
+// - kPipeOverlap: every thread loads K/V tiles by cp.async; the block meets at a barrier per tile.
+// - kPipeProducer: a producer warpgroup alone loads Q and K/V (cp.async, completion signalled on a per-stage
+//   mbarrier) and hands most of its registers to the others; the computing warpgroups go at their own pace and
+//   hand a stage back on a second mbarrier once their P V has read it.
+// - kPipePingPong: kPipeProducer, and the computing warpgroups issue their MMAs in turn.
 
 #define QRT_WGMMA_SS_N64(TY)                                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                      \
@@ -141,29 +144,55 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// Waits until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+// Waits until the barrier's phase with this parity has completed. A wait past 10 s (a stage that never lands: a
+// bug) traps, so the launch fails with an error instead of hanging the device.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
   asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n" ::"r"(
-          bar),
-      "r"(parity)
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
       : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = global_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_ns() - t0 > 10000000000ull) __trap();
+}
+
+// Named barriers 1.. (0 is __syncthreads'): `threads` (a multiple of 32) meet; arrive does not wait.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // cp.async writes (generic proxy) -> wgmma reads (async proxy) of shared memory.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // How a block loads and meets (see the top of this file).
-enum WgmmaPipe { kPipeOverlap = 0, kPipeProducer = 1 };
+enum WgmmaPipe { kPipeOverlap = 0, kPipeProducer = 1, kPipePingPong = 2 };
 
 template <int D, int BN, int WG, int STAGES, int PIPE> struct WgmmaCfg {
   static constexpr int BM = 64 * WG;  // rows per block
-  static constexpr int kThreads = 128 * WG + (PIPE == kPipeProducer ? 128 : 0);
+  static constexpr bool kProducer = PIPE != kPipeOverlap;  // a producer warpgroup loads
+  static constexpr int kThreads = 128 * WG + (kProducer ? 128 : 0);
   // kPipeProducer's registers per thread: the producer warpgroup gives its registers up to the computing ones.
   static constexpr int kProducerRegs = 40;
   static constexpr int kComputeRegs = ((65536 - 128 * kProducerRegs) / (128 * WG)) & ~7;
   static constexpr int kQBytes = BM * D * 2;
   static constexpr int kKvBytes = BN * D * 2;  // K or V of one stage
+  // ptxas keeps wgmma asynchronous only within the registers a thread has at launch (65536 / kThreads, whatever
+  // setmaxnreg grants later): the softmax runs under the previous tile's P V only where O, S, P and ~24 more fit.
+  static constexpr bool kSoftmaxUnderPV = D / 2 + BN / 2 + BN / 4 + 24 <= 65536 / kThreads;
   static constexpr size_t smem = 1024 + kQBytes + size_t(STAGES) * 2 * kKvBytes;  // + alignment of the panels
 };
 
@@ -176,7 +205,9 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
   const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
   auto k_s = [&](int stage) { return q_s + Cfg::kQBytes + uint32_t(stage) * 2 * Cfg::kKvBytes; };
 
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  // wg is read through a shuffle so that ptxas sees it warp-uniform (it grants setmaxnreg's registers to a
+  // branch only then).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3, lane = tid & 31;
   QTile qt;
   if (!q_tile(a, qt)) return;
   const int G = qt.G, base_pos = qt.base_pos, max_pos = qt.max_pos;
@@ -186,7 +217,7 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
   // kPipeProducer: stage st is loaded when full[st] completes a phase, free again when empty[st] does.
   __shared__ __align__(8) uint64_t bars[2 * STAGES];
   const uint32_t full0 = uint32_t(__cvta_generic_to_shared(bars)), empty0 = full0 + 8 * STAGES;
-  if constexpr (PIPE == kPipeProducer) {
+  if constexpr (Cfg::kProducer) {
     if (tid == 0) {
       for (int st = 0; st < STAGES; ++st) {
         mbar_init(full0 + 8 * st, 128);     // every producer thread
@@ -194,7 +225,7 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
       }
     }
     __syncthreads();
-    if (tid >= 128 * WG) {  // the producer warpgroup
+    if (wg == WG) {  // the producer warpgroup
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Cfg::kProducerRegs));
       const int me = tid - 128 * WG, pw = me >> 5;
       for_q_parts<T, D, BM, 128>(a, qt, [&](int r, int part, const T* src, bool ok) {
@@ -265,7 +296,9 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     __syncthreads();
   };
   float sc[BN / 2];         // S, then P in fp32
-  uint32_t pa[BN / 16][4];  // P packed as the A fragments of O += P V, 16 keys each
+  // P packed as the A fragments of O += P V, 16 keys each: in pa where the softmax runs under P V, else in the
+  // first BN / 4 elements of sc (each packed pair lands at or before the pair it is made of).
+  uint32_t pa[Cfg::kSoftmaxUnderPV ? BN / 16 : 1][4];
   // S = Q K^T (raw scores) of tile j: D / 16 steps of 16 dimensions, each inside one 64-wide panel.
   auto qk = [&](int j) {
     const uint32_t ks = k_s(j % STAGES);
@@ -282,7 +315,14 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     const uint32_t vs = k_s(j % STAGES) + Cfg::kKvBytes;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      wgmma_rs<T, D>(o, pa[kk], smem_desc(vs + uint32_t(kk) * 16 * 128, BN * 128, 1024), 1);
+      const uint64_t dv = smem_desc(vs + uint32_t(kk) * 16 * 128, BN * 128, 1024);
+      if constexpr (Cfg::kSoftmaxUnderPV) {
+        wgmma_rs<T, D>(o, pa[kk], dv, 1);
+      } else {
+        const uint32_t f[4] = {__float_as_uint(sc[4 * kk]), __float_as_uint(sc[4 * kk + 1]),
+                               __float_as_uint(sc[4 * kk + 2]), __float_as_uint(sc[4 * kk + 3])};
+        wgmma_rs<T, D>(o, f, dv, 1);
+      }
     }
     wgmma_commit();
   };
@@ -324,17 +364,18 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     for (int i = 0; i < D / 2; ++i) o[i] *= al[(i >> 1) & 1];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack2<T>(sc[8 * kk], sc[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t packed = pack2<T>(sc[8 * kk + 2 * e], sc[8 * kk + 2 * e + 1]);
+        if constexpr (Cfg::kSoftmaxUnderPV) pa[kk][e] = packed;
+        else sc[4 * kk + e] = __uint_as_float(packed);
+      }
     }
   };
 
   float al[2];
-  // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs.
   auto arrived = [&](int j) {  // tile j is in shared memory, visible to wgmma
-    if constexpr (PIPE == kPipeProducer) {
+    if constexpr (Cfg::kProducer) {
       mbar_wait(full0 + 8 * (j % STAGES), uint32_t((j / STAGES) & 1));
       fence_async_shared();
     } else {
@@ -343,35 +384,77 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
       landed();
     }
   };
-  arrived(0);
-  wgmma_fence();
-  qk(0);
-  wgmma_wait<0>();
-  wgmma_hold(sc);
-  softmax(0, al);
-  rescale_and_pack(al);
-  for (int j = 1; j < n_tiles; ++j) {
-    arrived(j);
+  auto release = [&](int j) {  // tile j's P V has completed: its stage may be refilled
+    if constexpr (Cfg::kProducer) {
+      if (lane == 0) mbar_arrive(empty0 + 8 * (j % STAGES));
+    } else {
+      __syncthreads();
+    }
+  };
+  // kPipePingPong: the computing warpgroups issue their MMAs in turn (0, 1, .., WG - 1, 0, ..), so one's softmax
+  // runs under the others' MMAs. Warpgroup w takes its turn at named barrier 1 + w, where the one before it
+  // arrives once it has issued; the last one opens the first turn and does not pass its last.
+  static_assert(PIPE != kPipePingPong || WG >= 2, "attn_wgmma_kernel: ping-pong takes 2 or more warpgroups");
+  auto take_turn = [&]() {
+    if constexpr (PIPE == kPipePingPong) named_sync(1 + wg, 256);
+  };
+  auto pass_turn = [&](bool last) {
+    if constexpr (PIPE == kPipePingPong)
+      if (!last || wg != WG - 1) named_arrive(1 + (wg + 1) % WG, 256);
+  };
+  if (PIPE == kPipePingPong && wg == WG - 1) named_arrive(1, 256);
+
+  if constexpr (Cfg::kSoftmaxUnderPV) {
+    // P V of tile j - 1 runs on the tensor cores while tile j's softmax runs.
+    arrived(0);
+    take_turn();
     wgmma_fence();
-    qk(j);
-    pv(j - 1);
-    wgmma_wait<1>();  // S of tile j (P V of tile j - 1 may still run)
+    qk(0);
+    pass_turn(false);
+    wgmma_wait<0>();
     wgmma_hold(sc);
-    softmax(j, al);
+    softmax(0, al);
+    rescale_and_pack(al);
+    for (int j = 1; j < n_tiles; ++j) {
+      arrived(j);
+      take_turn();
+      wgmma_fence();
+      qk(j);
+      pv(j - 1);
+      pass_turn(false);
+      wgmma_wait<1>();  // S of tile j (P V of tile j - 1 may still run)
+      wgmma_hold(sc);
+      softmax(j, al);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      release(j - 1);
+      rescale_and_pack(al);
+    }
+    take_turn();
+    wgmma_fence();
+    pv(n_tiles - 1);
+    pass_turn(true);
     wgmma_wait<0>();
     wgmma_hold(o);
-    if constexpr (PIPE == kPipeProducer) {
-      if (lane == 0) mbar_arrive(empty0 + 8 * ((j - 1) % STAGES));  // tile j - 1 read: its stage is free
+  } else {
+    // One tile at a time: S, softmax, P V.
+    for (int j = 0; j < n_tiles; ++j) {
+      arrived(j);
+      take_turn();
+      wgmma_fence();
+      qk(j);
+      pass_turn(j == n_tiles - 1);
+      wgmma_wait<0>();
+      wgmma_hold(sc);
+      softmax(j, al);
       rescale_and_pack(al);
-    } else {
-      rescale_and_pack(al);
-      __syncthreads();  // tile j - 1's stage is refilled next step
+      wgmma_fence();
+      pv(j);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      release(j);
     }
   }
-  wgmma_fence();
-  pv(n_tiles - 1);
-  wgmma_wait<0>();
-  wgmma_hold(o);
   cp_async_wait<0>();
 
   T* out = static_cast<T*>(a.out);
