@@ -573,8 +573,8 @@ def test_attention_decode(cpu, act, case):
 
 
 # The bf16/fp16 prefill kernel for head_dim 64/128: the mma.sync tile kernel, or on an sm_90 device with an
-# sm_90a build the wgmma kernel (elsewhere "wgmma" runs the tile kernel too).
-PREFILL_ATTN = ["mma", "wgmma"]
+# sm_90a build the wgmma kernel, alone or with its warpgroups taking turns (elsewhere both run the tile kernel).
+PREFILL_ATTN = ["mma", "wgmma", "pingpong"]
 
 
 @pytest.mark.parametrize("act", ACTS)

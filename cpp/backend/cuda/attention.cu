@@ -1288,18 +1288,21 @@ void launch_wgmma(const Tensor& q, const KvLayer& cache, const AttnBatch& b, con
   check_launch("attention (wgmma)");
 }
 
-// The prefill kernel for head_dim 64/128: QWEN_RT_PREFILL_ATTN=wgmma or mma (read at every call, so the op
-// tests can set it), else kWgmmaDefault. wgmma runs only where this build has an sm_90a image and the device is
-// sm_90; elsewhere the tile kernel (mma) runs.
-constexpr bool kWgmmaDefault = true;
-bool wgmma_takes() {
+// The prefill kernel for head_dim 64/128: QWEN_RT_PREFILL_ATTN=wgmma, pingpong (the wgmma kernel whose computing
+// warpgroups take turns) or mma (read at every call, so the op tests can set it), else kPrefillDefault. The wgmma
+// forms run only where this build has an sm_90a image and the device is sm_90; elsewhere the tile kernel (mma).
+enum PrefillForm { kFormMma, kFormWgmma, kFormPingPong };
+constexpr PrefillForm kPrefillDefault = kFormWgmma;
+PrefillForm prefill_form() {
 #ifdef QRT_HAVE_SM90A
   const char* e = std::getenv("QWEN_RT_PREFILL_ATTN");
-  const bool want = e && *e ? std::strcmp(e, "wgmma") == 0 : kWgmmaDefault;
+  PrefillForm want = kPrefillDefault;
+  if (e && *e)
+    want = std::strcmp(e, "wgmma") == 0 ? kFormWgmma : std::strcmp(e, "pingpong") == 0 ? kFormPingPong : kFormMma;
   thread_local int dev = -1;
   thread_local bool sm90 = false;
   int cur = 0;
-  if (!want || cudaGetDevice(&cur) != cudaSuccess) return false;
+  if (want == kFormMma || cudaGetDevice(&cur) != cudaSuccess) return kFormMma;
   if (cur != dev) {
     int major = 0, minor = 0;
     sm90 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cur) == cudaSuccess &&
@@ -1307,9 +1310,9 @@ bool wgmma_takes() {
            minor == 0;
     dev = cur;
   }
-  return sm90;
+  return sm90 ? want : kFormMma;
 #else
-  return false;
+  return kFormMma;
 #endif
 }
 
@@ -1326,7 +1329,11 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   if constexpr (D <= 128) {
     // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
     // the fastest form of scripts/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).
-    if (wgmma_takes()) return launch_wgmma<T, D, 64, 3, 4, kPipeProducer>(q, cache, b, sh, out, st);
+    switch (prefill_form()) {
+      case kFormWgmma: return launch_wgmma<T, D, 64, 3, 4, kPipeProducer>(q, cache, b, sh, out, st);
+      case kFormPingPong: return launch_wgmma<T, D, 64, 3, 4, kPipePingPong>(q, cache, b, sh, out, st);
+      case kFormMma: break;
+    }
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
   }
   launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);

@@ -473,6 +473,6 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
       *reinterpret_cast<uint32_t*>(p + i * 8) = pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
   }
 #else
-  __trap();  // launched only on sm_90 with an sm_90a image (wgmma_takes)
+  __trap();  // launched only on sm_90 with an sm_90a image (prefill_form)
 #endif
 }
