@@ -360,8 +360,11 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     for (int h = 0; h < 2; ++h) l[h] = l[h] * al[h] + sum[h];
   };
   auto rescale_and_pack = [&](const float (&al)[2]) {
+    // Once the rows' maxima settle, al is exactly 1 and a warp skips the multiplications.
+    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= al[(i >> 1) & 1];
+      for (int i = 0; i < D / 2; ++i) o[i] *= al[(i >> 1) & 1];
+    }
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
