@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
   const uint32_t q_s = (uint32_t(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;  // panels 1024-aligned
   auto k_s = [&](int stage) { return q_s + Cfg::kQBytes + uint32_t(stage) * 2 * Cfg::kKvBytes; };
 
-  // wg is read through a shuffle so that ptxas sees it warp-uniform (it grants setmaxnreg's registers to a
-  // branch only then).
+  // wg through a shuffle: the compiler then knows it is warp-uniform, as the producer branch's .aligned
+  // instructions (setmaxnreg) need.
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3, lane = tid & 31;
   QTile qt;
   if (!q_tile(a, qt)) return;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
   const int n_tiles = (qt.n_keys + BN - 1) / BN;
   const KvHead<T> cache = kv_head<T, D>(a, qt.s, qt.kvh);
 
-  // kPipeProducer: stage st is loaded when full[st] completes a phase, free again when empty[st] does.
+  // With a producer: stage st is loaded when full[st] completes a phase, free again when empty[st] does.
   __shared__ __align__(8) uint64_t bars[2 * STAGES];
   const uint32_t full0 = uint32_t(__cvta_generic_to_shared(bars)), empty0 = full0 + 8 * STAGES;
   if constexpr (Cfg::kProducer) {
