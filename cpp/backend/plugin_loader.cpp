@@ -36,8 +36,9 @@ const Plugin& plugin() {
     p.handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!p.handle) {
       const char* e = dlerror();
-      p.error = str_cat("qwen_rt was built without the CUDA backend or it cannot load (", path, ": ",
-                        e ? e : "unknown error", ")");
+      // dlerror() names the file (and the library it lacks, if that is why).
+      p.error = str_cat("qwen_rt was built without the CUDA backend or it cannot load (",
+                        e ? std::string(e) : path + ": unknown error", ")");
       return;
     }
     p.device_count = reinterpret_cast<decltype(p.device_count)>(dlsym(p.handle, "qrt_cuda_device_count"));
