@@ -59,3 +59,26 @@ def test_cli_generate_and_its_errors(build, capsys, monkeypatch):
         assert ("loading weights" in err) == loads, err
         assert err.splitlines()[-1].split("\r")[-1].startswith("qwen-rt: error: ") and name in err, err
         assert "Traceback" not in err
+
+
+def test_cli_token_ids(build, capsys, monkeypatch):
+    """--token-ids: the prompt and the output are token ids (a packaged config has no tokenizer); a text prompt to
+    a packaged config, or ids that are not integers, fail before anything loads."""
+    monkeypatch.setenv("QWEN_RT_PROGRESS", "1")
+    folder = build("qwen3_gqa2_tied")
+    (p,) = M.pick_prompts(folder, seed=701, lengths=[6], max_new=4)
+    ref = M.hf_greedy(folder, p, 4)
+    base = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-batch-size", "2",
+            "--max-tokens", "4", "--temperature", "0", "--ignore-eos"]
+    for sep, stream in ((" ", []), (",", ["--stream"])):
+        assert cli.main(["generate", sep.join(map(str, p)), "--token-ids", "--model", str(folder)] + base + stream) == 0
+        out, err = capsys.readouterr()
+        assert out.split() == [str(t) for t in ref], out
+        assert "output tokens" in err
+    for argv, needle in ((["generate", "hello", "--model", "qwen3-0.6b", "--load-format", "dummy"], "--token-ids"),
+                         (["generate", "1 2 x", "--token-ids", "--model", str(folder)], "integers"),
+                         (["generate", "1 2", "--token-ids", "--chat", "--model", str(folder)], "--chat")):
+        assert cli.main(argv + base) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("qwen-rt: error: ") and needle in err, err
+        assert "loading weights" not in err, err

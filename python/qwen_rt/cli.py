@@ -79,6 +79,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="print the top-N logprobs per token")
+    p.add_argument("--token-ids", action="store_true",
+                   help="the prompt is token ids ('1 2 3' or '1,2,3'); the output is printed as ids too. For a "
+                        "model without a tokenizer, such as a packaged config with --load-format dummy")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking=False (Qwen3)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -96,6 +99,20 @@ def _cmd_generate(args) -> int:
         return 1
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # Prompts a model cannot take fail before it loads.
+    if args.token_ids:
+        if args.chat:
+            raise ValueError("--chat takes a text prompt, not --token-ids")
+        try:
+            prompt = [int(t) for t in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--token-ids: the prompt must be integers ('1 2 3'), got {prompt[:40]!r}") from None
+    else:
+        from qwen_rt.model_files import packaged_name
+        name = packaged_name(args.model, args.load_format)
+        if name is not None:
+            raise ValueError(f"{args.model!r} is a packaged config, without a tokenizer: pass the prompt as token "
+                             "ids with --token-ids")
     gen_kwargs = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
                       tensor_parallel_size=args.tensor_parallel_size)
     if args.max_model_len is not None:
@@ -131,11 +148,12 @@ def _cmd_generate(args) -> int:
             for delta in req:
                 if t_first is None and delta.token_ids:
                     t_first = time.perf_counter()
+                shown = " ".join(str(t) for t in delta.token_ids) + " " if args.token_ids else delta.text
                 if delta.text:
                     pieces.append(delta.text)
-                    if args.stream:
-                        sys.stdout.write(delta.text)
-                        sys.stdout.flush()
+                if args.stream and delta.token_ids and shown:
+                    sys.stdout.write(shown)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
             req.cancel()
             print("\n[cancelled]", file=sys.stderr)
@@ -143,7 +161,8 @@ def _cmd_generate(args) -> int:
         t_end = time.perf_counter()
         tok = gen.tokenizer
 
-    text = comp.text if comp.text is not None else "".join(pieces)
+    text = " ".join(str(t) for t in comp.token_ids) if args.token_ids else \
+        comp.text if comp.text is not None else "".join(pieces)
     if args.stream:
         sys.stdout.write("\n")
     else:

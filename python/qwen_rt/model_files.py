@@ -12,7 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["TensorInfo", "ModelFiles", "resolve", "text_config", "packaged_configs", "read_safetensors_header"]
+__all__ = ["TensorInfo", "ModelFiles", "resolve", "text_config", "packaged_configs", "packaged_name",
+           "read_safetensors_header"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -194,6 +195,15 @@ def _packaged_name(model: str) -> str | None:
     return key if key in packaged_configs() else None
 
 
+def packaged_name(model: str | os.PathLike, load_format: str = "auto") -> str | None:
+    """The packaged config that resolve(model, load_format) takes, or None (a folder or a hub id)."""
+    model = os.fspath(model)
+    if Path(model).expanduser().exists():
+        return None
+    name = _packaged_name(model)
+    return name if name is not None and (load_format == "dummy" or "/" not in model) else None
+
+
 def _load_packaged(name: str) -> ModelFiles:
     config = _read_json(CONFIG_DIR / f"{name}.json", "packaged config")
     gpath = CONFIG_DIR / f"{name}.generation_config.json"
@@ -263,8 +273,8 @@ def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str |
     if local.exists():
         raise ValueError(f"{model!r} is a file, not a model folder")
 
-    packaged = _packaged_name(model)
-    if packaged is not None and (load_format == "dummy" or "/" not in model):
+    packaged = packaged_name(model, load_format)
+    if packaged is not None:
         if load_format != "dummy":
             raise ValueError(f"{model!r} is a packaged config without weights: use load_format='dummy'")
         return _load_packaged(packaged)
