@@ -1,5 +1,7 @@
 #include "backend/cuda/gemm.cuh"
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -28,6 +30,20 @@ int alignment(const void* p, int64_t ld_bytes) {
   return int(v & (~v + 1));
 }
 
+// Tuning: a plan first used inside a graph capture (the decode steps, replayed thousands of times) times
+// its heuristic candidates and keeps the fastest; elsewhere the heuristic's first is run. 16-bit products only
+// (the fp32 exactness mode keeps the heuristic's algorithms), outputs that fit the scratch buffer.
+// QWEN_RT_GEMM_TUNE=0 turns it off.
+constexpr size_t kTuneScratch = size_t(32) << 20;
+constexpr int kTuneReps = 5;
+bool tuning_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("QWEN_RT_GEMM_TUNE");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 }  // namespace
 
 LtGemm::~LtGemm() {
@@ -39,6 +55,10 @@ LtGemm::~LtGemm() {
     if (p.op) cublasLtMatmulDescDestroy(p.op);
   }
   if (workspace_) cudaFree(workspace_);
+  if (tune_out_) cudaFree(tune_out_);
+  for (cudaEvent_t e : {fence_, t0_, t1_})
+    if (e) cudaEventDestroy(e);
+  if (tune_stream_) cudaStreamDestroy(tune_stream_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -46,6 +66,45 @@ void LtGemm::init(size_t workspace_bytes) {
   lt_check(cublasLtCreate(&handle_), "cublasLtCreate");
   ws_bytes_ = workspace_bytes;
   check(cudaMalloc(&workspace_, ws_bytes_), "cuBLASLt workspace");
+  if (tuning_on()) {
+    check(cudaMalloc(&tune_out_, kTuneScratch), "cuBLASLt tuning scratch");
+    check(cudaStreamCreateWithFlags(&tune_stream_, cudaStreamNonBlocking), "cuBLASLt tuning stream");
+    for (cudaEvent_t* e : {&fence_, &t0_, &t1_}) check(cudaEventCreate(e), "cuBLASLt tuning event");
+  }
+}
+
+void LtGemm::before_capture(cudaStream_t s) {
+  if (!fence_) return;
+  check(cudaEventRecord(fence_, s), "cuBLASLt tuning fence");
+  fence_set_ = true;
+}
+
+void LtGemm::tune(Plan& p, const void* x, const void* w, cudaStream_t s) {
+  p.tuned = true;
+  // The capture's stream holds nothing that runs; wait for what it held before, so no other work shares the
+  // device while the candidates are timed.
+  if (fence_set_) check(cudaEventSynchronize(fence_), "cuBLASLt tuning fence");
+  const float alpha = 1.0f, beta = 0.0f;
+  float first_ms = 0.f, best_ms = 0.f;
+  int best = 0;
+  for (int i = 0; i < p.n_candidates; ++i) {
+    auto launch = [&] {
+      return cublasLtMatmul(handle_, p.op, &alpha, w, p.a, x, p.b, &beta, tune_out_, p.c, tune_out_, p.c,
+                            &p.candidates[i], workspace_, ws_bytes_, tune_stream_);
+    };
+    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run is left out
+    check(cudaEventRecord(t0_, tune_stream_), "cuBLASLt tuning");
+    for (int r = 0; r < kTuneReps; ++r) launch();
+    check(cudaEventRecord(t1_, tune_stream_), "cuBLASLt tuning");
+    check(cudaEventSynchronize(t1_), "cuBLASLt tuning");
+    float ms = 0.f;
+    check(cudaEventElapsedTime(&ms, t0_, t1_), "cuBLASLt tuning");
+    if (i == 0) first_ms = best_ms = ms;
+    // Another candidate replaces the heuristic's first only when clearly faster (timing noise is a few %).
+    else if (ms < best_ms && ms < 0.97f * first_ms) best_ms = ms, best = i;
+  }
+  check(cudaGetLastError(), "cuBLASLt tuning");
+  p.algo = p.candidates[best];
 }
 
 LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
@@ -78,13 +137,15 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao));
-  cublasLtMatmulHeuristicResult_t res{};
+  cublasLtMatmulHeuristicResult_t res[kCandidates]{};
   int found = 0;
   const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, kCandidates, res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (p.ok) p.algo = res.algo;
+  if (p.ok) p.algo = res[0].algo;
+  for (int i = 0; p.ok && i < found; ++i)
+    if (res[i].state == CUBLAS_STATUS_SUCCESS) p.candidates[p.n_candidates++] = res[i].algo;
   return p;
 }
 
@@ -110,6 +171,12 @@ bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_
   if (bias_done)
     lt_check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
              "set bias");
+  if (!p->tuned && t != DType::F32 && tune_stream_ && p->n_candidates > 1 &&
+      size_t(M) * size_t(ldo) * dtype_size(out_t) <= kTuneScratch) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(s, &cs), "cudaStreamIsCapturing");
+    if (cs == cudaStreamCaptureStatusActive) tune(*p, x, w, s);
+  }
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   lt_check(cublasLtMatmul(handle_, p->op, &alpha, w, p->a, x, p->b, &beta, out, p->c, out, p->c, &p->algo,
                           workspace_, ws_bytes_, s),
