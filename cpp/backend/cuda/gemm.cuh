@@ -51,7 +51,7 @@ class LtGemm {
   // Tuning: candidates run on their own stream into a scratch output, timed by events.
   cudaStream_t tune_stream_ = nullptr;
   void* tune_out_ = nullptr;
-  cudaEvent_t fence_ = nullptr, t0_ = nullptr, t1_ = nullptr;
+  cudaEvent_t fence_ = nullptr, marks_[8]{};  // marks_: start and end of each timed run
   bool fence_set_ = false;
 };
 
