@@ -190,8 +190,9 @@ template <int D, int BN, int WG, int STAGES, int PIPE> struct WgmmaCfg {
   static constexpr int kComputeRegs = ((65536 - 128 * kProducerRegs) / (128 * WG)) & ~7;
   static constexpr int kQBytes = BM * D * 2;
   static constexpr int kKvBytes = BN * D * 2;  // K or V of one stage
-  // ptxas keeps wgmma asynchronous only within the registers a thread has at launch (65536 / kThreads, whatever
-  // setmaxnreg grants later): the softmax runs under the previous tile's P V only where O, S, P and ~24 more fit.
+  // ptxas (CUDA 13.0) keeps wgmma asynchronous only within the registers a thread has at launch (65536 /
+  // kThreads, whatever setmaxnreg grants later; beyond them it spilled and serialized every wgmma): the softmax
+  // runs under the previous tile's P V only where O, S, P and ~24 more fit.
   static constexpr bool kSoftmaxUnderPV = D / 2 + BN / 2 + BN / 4 + 24 <= 65536 / kThreads;
   static constexpr size_t smem = 1024 + kQBytes + size_t(STAGES) * 2 * kKvBytes;  // + alignment of the panels
 };
