@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -90,9 +91,10 @@ void LtGemm::tune(Plan& p, const void* x, const void* w, cudaStream_t s) {
   // The capture's stream holds nothing that runs; wait for what it held before, so no other work shares the
   // device while the candidates are timed.
   if (fence_set_) check(cudaEventSynchronize(fence_), "cuBLASLt tuning fence");
+  static_assert(2 * kTuneReps == std::extent<decltype(marks_)>::value, "LtGemm: a start and an end mark per run");
   const float alpha = 1.0f, beta = 0.0f;
   float first_ms = 0.f, best_ms = 0.f;
-  int best = 0;
+  int best = -1;
   for (int i = 0; i < p.n_candidates; ++i) {
     auto launch = [&] {
       return cublasLtMatmul(handle_, p.op, &alpha, w, p.a, x, p.b, &beta, tune_out_, p.c, tune_out_, p.c,
@@ -113,12 +115,12 @@ void LtGemm::tune(Plan& p, const void* x, const void* w, cudaStream_t s) {
       check(cudaEventElapsedTime(&one, marks_[2 * r], marks_[2 * r + 1]), "cuBLASLt tuning");
       ms += one;
     }
-    if (i == 0) first_ms = best_ms = ms;
+    if (best < 0) first_ms = best_ms = ms, best = i;
     // Another candidate replaces the heuristic's first only when clearly faster (timing noise is a few %).
     else if (ms < best_ms && ms < 0.97f * first_ms) best_ms = ms, best = i;
   }
   check(cudaGetLastError(), "cuBLASLt tuning");
-  p.algo = p.candidates[best];
+  if (best >= 0) p.algo = p.candidates[best];
 }
 
 LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
