@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/attention.cu"
+#include "study_common.cuh"
 
 namespace qrt::cuda {
 bool chained_launch_supported() { return false; }
@@ -22,32 +23,6 @@ using namespace qrt;
 using namespace qrt::cuda;
 
 namespace study {
-
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::printf("%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
-__global__ void fill_kernel(__nv_bfloat16* p, size_t n, uint32_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = __float2bfloat16((float(h & 0xffff) / 65536.f - 0.5f) * 2.f * amp);
-  }
-}
-
-template <typename X> X* dev(size_t n) {
-  void* p = nullptr;
-  ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(X)), "cudaMalloc");
-  return static_cast<X*>(p);
-}
-template <typename X> X* upload(const std::vector<X>& v) {
-  X* p = dev<X>(v.size());
-  ck(cudaMemcpy(p, v.data(), v.size() * sizeof(X), cudaMemcpyHostToDevice), "upload");
-  return p;
-}
 
 struct Case {
   int seqs, q_len, prefix;
@@ -101,10 +76,10 @@ void run_case(const Case& c, int Hq, int Hkv, int D, cudaStream_t st) {
   }
   const int64_t cols = int64_t(Hkv) * D, rows = int64_t(total_pages) * page;
   __nv_bfloat16 *kc = dev<__nv_bfloat16>(size_t(rows * cols)), *vc = dev<__nv_bfloat16>(size_t(rows * cols));
-  fill_kernel<<<1024, 256>>>(kc, size_t(rows * cols), 1, 1.f);
-  fill_kernel<<<1024, 256>>>(vc, size_t(rows * cols), 2, 1.f);
+  fill(kc, size_t(rows * cols), 1);
+  fill(vc, size_t(rows * cols), 2);
   Tensor q(dev<__nv_bfloat16>(size_t(tokens) * Hq * D), DType::BF16, tokens, int64_t(Hq) * D);
-  fill_kernel<<<1024, 256>>>(q.ptr<__nv_bfloat16>(), size_t(tokens) * Hq * D, 3, 0.5f);
+  fill(q.ptr<__nv_bfloat16>(), size_t(tokens) * Hq * D, 3, 0.5f);
   AttnBatch b;
   b.num_seqs = c.seqs;
   b.num_tokens = tokens;
