@@ -222,3 +222,17 @@ def test_missing_folder_file(folder, tmp_path):
     (f / "model.safetensors").unlink()
     with pytest.raises((ValueError, FileNotFoundError), match="(?i)safetensors|weights"):
         qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2))
+
+
+def test_unset_max_tokens_stops_at_max_model_len(folder, gen, good):
+    """A max_tokens the caller did not set (default 256) stops at the room the prompt leaves: finish "length",
+    the same tokens as transformers; set explicitly, the same overflow is an error; an explicit min_tokens
+    beyond the room is an error naming it."""
+    (p,) = M.pick_prompts(folder, seed=602, lengths=[MAX_LEN - 9], max_new=9)
+    (c,) = gen.generate(p, **GREEDY)
+    assert c.finish_reason == "length" and c.token_ids == M.hf_greedy(folder, p, 9)
+    with pytest.raises(ValueError, match="max_tokens"):
+        gen.generate(p, max_tokens=10, **GREEDY)
+    with pytest.raises(ValueError, match="min_tokens"):
+        gen.generate(p, min_tokens=10, **GREEDY)
+    assert_still_serves(gen, good)

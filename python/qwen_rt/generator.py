@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import threading
@@ -368,6 +369,12 @@ class Generator:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    @staticmethod
+    def _sets_max_tokens(sampling, kwargs) -> bool:
+        if "max_tokens" in kwargs:
+            return kwargs["max_tokens"] is not None
+        return isinstance(sampling, SamplingParams) and sampling.max_tokens is not None
+
     def _check_length(self, ids: list[int], p: SamplingParams) -> None:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
@@ -416,8 +423,19 @@ class Generator:
         else:  # one for all: resolved and converted once
             params = [self._params(sampling, kwargs)] * len(ids_list)
             natives = [self._native_sampling(params[0])] * len(ids_list)
-        for ids, p in zip(ids_list, params):
-            self._check_length(ids, p)
+        # A max_tokens the caller did not set (the default, or generation_config's) stops at the room the
+        # prompt leaves in max_model_len; one the caller set must fit (_check_length).
+        set_by_caller = [self._sets_max_tokens(x, kwargs) for x in sampling] if isinstance(sampling, (list, tuple)) \
+            else [self._sets_max_tokens(sampling, kwargs)] * len(ids_list)
+        for i, ids in enumerate(ids_list):
+            room = self.max_model_len - len(ids)
+            if not set_by_caller[i] and 1 <= room < params[i].max_tokens:
+                params[i] = dataclasses.replace(params[i], max_tokens=room)
+                if params[i].min_tokens > room:
+                    raise ValueError(f"min_tokens ({params[i].min_tokens}) exceeds the {room} tokens the prompt "
+                                     f"leaves in max_model_len {self.max_model_len}")
+                natives[i] = self._native_sampling(params[i])
+            self._check_length(ids, params[i])
         reqs: list[Request] = []
         try:
             for ids, p, native in zip(ids_list, params, natives):
