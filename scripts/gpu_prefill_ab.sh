@@ -8,9 +8,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}
 mkdir -p "$OUT"
-study() {  # study BINARY LOG [args]
+study() {  # study BINARY LOG
   local bin=$1 log=$2
-  shift 2
   [ -x "$bin" ] || return 0
   { timeout 150 "$bin" ${STUDY_CASES:-}
     timeout 60 "$bin" --heads 28 4 128 3x517+93 1x4096

@@ -91,6 +91,10 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _ids_text(ids) -> str:
+    return " ".join(str(t) for t in ids)
+
+
 def _cmd_generate(args) -> int:
     try:
         from qwen_rt import Generator  # lazily: the native module loads here
@@ -148,11 +152,10 @@ def _cmd_generate(args) -> int:
             for delta in req:
                 if t_first is None and delta.token_ids:
                     t_first = time.perf_counter()
-                shown = " ".join(str(t) for t in delta.token_ids) + " " if args.token_ids else delta.text
                 if delta.text:
                     pieces.append(delta.text)
-                if args.stream and delta.token_ids and shown:
-                    sys.stdout.write(shown)
+                if args.stream and delta.token_ids:
+                    sys.stdout.write(_ids_text(delta.token_ids) + " " if args.token_ids else delta.text or "")
                     sys.stdout.flush()
         except KeyboardInterrupt:
             req.cancel()
@@ -161,8 +164,7 @@ def _cmd_generate(args) -> int:
         t_end = time.perf_counter()
         tok = gen.tokenizer
 
-    text = " ".join(str(t) for t in comp.token_ids) if args.token_ids else \
-        comp.text if comp.text is not None else "".join(pieces)
+    text = _ids_text(comp.token_ids) if args.token_ids else comp.text if comp.text is not None else "".join(pieces)
     if args.stream:
         sys.stdout.write("\n")
     else:

@@ -86,7 +86,7 @@ void LtGemm::before_capture(cudaStream_t s) {
   fence_set_ = true;
 }
 
-void LtGemm::tune(Plan& p, const void* x, const void* w, cudaStream_t s) {
+void LtGemm::tune(Plan& p, const void* x, const void* w) {
   p.tuned = true;
   // The capture's stream holds nothing that runs; wait for what it held before, so no other work shares the
   // device while the candidates are timed.
@@ -191,7 +191,7 @@ bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_
       size_t(M) * size_t(ldo) * dtype_size(out_t) <= kTuneScratch) {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     check(cudaStreamIsCapturing(s, &cs), "cudaStreamIsCapturing");
-    if (cs == cudaStreamCaptureStatusActive) tune(*p, x, w, s);
+    if (cs == cudaStreamCaptureStatusActive) tune(*p, x, w);
   }
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   lt_check(cublasLtMatmul(handle_, p->op, &alpha, w, p->a, x, p->b, &beta, out, p->c, out, p->c, &p->algo,
