@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build with ninja on every core, run `pytest -m cuda`, then the GPU bench.
+# One call on the GPU machine: build with ninja on every core, run `pytest -m cuda` (TEST_WORKERS=4 xdist
+# processes), then the GPU bench.
 # Logs and the bench record go under $OUT (the device tool brings them back).
 #   scripts/gpu_run.sh [pytest args...]            env: BENCH_ARGS="--parts decode ..." (empty: skip the bench)
 set -uo pipefail
@@ -21,7 +22,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "import qwen_rt._core as c; print('cuda devices:', c.cuda_device_count(), c.cuda_plugin_error())")
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   t0=$(date +%s)
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+  # TEST_WORKERS xdist processes share the GPU; the tests marked `alone` (whole-device memory) run after them.
+  { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m "cuda and not alone" -n ${TEST_WORKERS:-4} -q -p no:cacheprovider "$@"
+    timeout 120 python3 -m pytest -m "cuda and alone" -q -p no:cacheprovider "$@"; } 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if [ -n "${BENCH_ARGS:-}" ]; then

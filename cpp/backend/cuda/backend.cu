@@ -520,7 +520,6 @@ void CudaBackend::sample_finish(SampleResult& out, double timeout_s) {
 void CudaBackend::begin_capture() {
   set_device();
   no_capture("begin_capture");
-  gemm_.before_capture(stream_);
   check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "cudaStreamBeginCapture");
   capturing_ = true;
 }

@@ -1,9 +1,6 @@
 #include "backend/cuda/gemm.cuh"
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -31,24 +28,6 @@ int alignment(const void* p, int64_t ld_bytes) {
   return int(v & (~v + 1));
 }
 
-// Tuning (QWEN_RT_GEMM_TUNE=1; off by default: not yet measured to gain): a plan first used inside a graph
-// capture (the decode steps, replayed thousands of times) times its heuristic candidates and keeps the fastest;
-// elsewhere the heuristic's first is run. 16-bit products only (the fp32 exactness mode keeps the heuristic's
-// algorithms), outputs that fit the scratch buffer. Its first form, which timed each candidate back to back
-// (weights left in L2), picked slower algorithms (H100, Qwen3-8B batch 8: 6.83 against 6.46 ms a step).
-constexpr size_t kTuneScratch = size_t(32) << 20;
-constexpr int kTuneReps = 4;
-// Written between timed runs so each candidate reads its weights from memory, as in the step (L2 is 50 MB on
-// an H100: a product timed back to back would find most of its weights there).
-constexpr size_t kTuneFlush = size_t(128) << 20;
-bool tuning_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("QWEN_RT_GEMM_TUNE");
-    return e && std::strcmp(e, "1") == 0;
-  }();
-  return on;
-}
-
 }  // namespace
 
 LtGemm::~LtGemm() {
@@ -60,11 +39,6 @@ LtGemm::~LtGemm() {
     if (p.op) cublasLtMatmulDescDestroy(p.op);
   }
   if (workspace_) cudaFree(workspace_);
-  if (tune_out_) cudaFree(tune_out_);
-  if (fence_) cudaEventDestroy(fence_);
-  for (cudaEvent_t e : marks_)
-    if (e) cudaEventDestroy(e);
-  if (tune_stream_) cudaStreamDestroy(tune_stream_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -72,55 +46,6 @@ void LtGemm::init(size_t workspace_bytes) {
   lt_check(cublasLtCreate(&handle_), "cublasLtCreate");
   ws_bytes_ = workspace_bytes;
   check(cudaMalloc(&workspace_, ws_bytes_), "cuBLASLt workspace");
-  if (tuning_on()) {
-    check(cudaMalloc(&tune_out_, kTuneScratch + kTuneFlush), "cuBLASLt tuning scratch");
-    check(cudaStreamCreateWithFlags(&tune_stream_, cudaStreamNonBlocking), "cuBLASLt tuning stream");
-    check(cudaEventCreate(&fence_), "cuBLASLt tuning event");
-    for (cudaEvent_t& e : marks_) check(cudaEventCreate(&e), "cuBLASLt tuning event");
-  }
-}
-
-void LtGemm::before_capture(cudaStream_t s) {
-  if (!fence_) return;
-  check(cudaEventRecord(fence_, s), "cuBLASLt tuning fence");
-  fence_set_ = true;
-}
-
-void LtGemm::tune(Plan& p, const void* x, const void* w) {
-  p.tuned = true;
-  // The capture's stream holds nothing that runs; wait for what it held before, so no other work shares the
-  // device while the candidates are timed.
-  if (fence_set_) check(cudaEventSynchronize(fence_), "cuBLASLt tuning fence");
-  static_assert(2 * kTuneReps == std::extent<decltype(marks_)>::value, "LtGemm: a start and an end mark per run");
-  const float alpha = 1.0f, beta = 0.0f;
-  float first_ms = 0.f, best_ms = 0.f;
-  int best = -1;
-  for (int i = 0; i < p.n_candidates; ++i) {
-    auto launch = [&] {
-      return cublasLtMatmul(handle_, p.op, &alpha, w, p.a, x, p.b, &beta, tune_out_, p.c, tune_out_, p.c,
-                            &p.candidates[i], workspace_, ws_bytes_, tune_stream_);
-    };
-    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run is left out
-    void* flush = static_cast<char*>(tune_out_) + kTuneScratch;
-    for (int r = 0; r < kTuneReps; ++r) {
-      check(cudaMemsetAsync(flush, r, kTuneFlush, tune_stream_), "cuBLASLt tuning");
-      check(cudaEventRecord(marks_[2 * r], tune_stream_), "cuBLASLt tuning");
-      launch();
-      check(cudaEventRecord(marks_[2 * r + 1], tune_stream_), "cuBLASLt tuning");
-    }
-    check(cudaEventSynchronize(marks_[2 * kTuneReps - 1]), "cuBLASLt tuning");
-    float ms = 0.f;
-    for (int r = 0; r < kTuneReps; ++r) {
-      float one = 0.f;
-      check(cudaEventElapsedTime(&one, marks_[2 * r], marks_[2 * r + 1]), "cuBLASLt tuning");
-      ms += one;
-    }
-    if (best < 0) first_ms = best_ms = ms, best = i;
-    // Another candidate replaces the heuristic's first only when clearly faster (timing noise is a few %).
-    else if (ms < best_ms && ms < 0.97f * first_ms) best_ms = ms, best = i;
-  }
-  check(cudaGetLastError(), "cuBLASLt tuning");
-  if (best >= 0) p.algo = p.candidates[best];
 }
 
 LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
@@ -153,15 +78,13 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao));
-  cublasLtMatmulHeuristicResult_t res[kCandidates]{};
+  cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, kCandidates, res, &found);
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (p.ok) p.algo = res[0].algo;
-  for (int i = 0; p.ok && i < found; ++i)
-    if (res[i].state == CUBLAS_STATUS_SUCCESS) p.candidates[p.n_candidates++] = res[i].algo;
+  if (p.ok) p.algo = res.algo;
   return p;
 }
 
@@ -187,12 +110,6 @@ bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_
   if (bias_done)
     lt_check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
              "set bias");
-  if (!p->tuned && t != DType::F32 && tune_stream_ && p->n_candidates > 1 &&
-      size_t(M) * size_t(ldo) * dtype_size(out_t) <= kTuneScratch) {
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(s, &cs), "cudaStreamIsCapturing");
-    if (cs == cudaStreamCaptureStatusActive) tune(*p, x, w);
-  }
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   lt_check(cublasLtMatmul(handle_, p->op, &alpha, w, p->a, x, p->b, &beta, out, p->c, out, p->c, &p->algo,
                           workspace_, ws_bytes_, s),

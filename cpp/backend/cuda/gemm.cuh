@@ -19,9 +19,6 @@ class LtGemm {
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
   void init(size_t workspace_bytes);  // on the current device
-  // Call before a graph capture begins on s: a plan tuned inside the capture first waits for the work s
-  // holds now (the capture itself cannot be waited on).
-  void before_capture(cudaStream_t s);
   // All three matrices of dtype t (F32: plain fp32 SGEMM, no TF32). bias: [N] of dtype bias_t, or null.
   // Returns false when bias was requested but no epilogue algorithm exists (the caller adds it).
   // out_t: dtype of out (t, or F32 for fp32 results such as logits). accumulate: out += the product.
@@ -31,28 +28,19 @@ class LtGemm {
 
  private:
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int>;
-  static constexpr int kCandidates = 8;  // heuristic results a plan keeps for tuning
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};  // the one run: the heuristic's first, or the fastest once tuned
-    cublasLtMatmulAlgo_t candidates[kCandidates]{};
-    int n_candidates = 0;
-    bool ok = false, tuned = false;
+    cublasLtMatmulAlgo_t algo{};
+    bool ok = false;
   };
   Plan& plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
              int al_x, int al_w, int al_o, int bias_t, DType out_t);
-  void tune(Plan& p, const void* x, const void* w);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t ws_bytes_ = 0;
   std::map<Key, Plan> plans_;
-  // Tuning: candidates run on their own stream into a scratch output, timed by events.
-  cudaStream_t tune_stream_ = nullptr;
-  void* tune_out_ = nullptr;
-  cudaEvent_t fence_ = nullptr, marks_[8]{};  // marks_: start and end of each timed run
-  bool fence_set_ = false;
 };
 
 }  // namespace qrt::cuda
