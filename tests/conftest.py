@@ -41,7 +41,8 @@ base_kwargs = M.base_kwargs
 @pytest.fixture(scope="session")
 def build(tmp_path_factory):
     """build(name) -> folder of fixture config `name` (built once); "<name>+legacy" gives the same
-    weights with a pre-transformers-5 config.json (top-level rope_theta + rope_scaling)."""
+    weights with a pre-transformers-5 config.json (top-level rope_theta + rope_scaling), "<name>+notok" the
+    same model without tokenizer.json."""
     cache: dict[str, Path] = {}
     lock = threading.Lock()
 
@@ -55,6 +56,8 @@ def build(tmp_path_factory):
                 dst = M.copy_folder(src, tmp_path_factory.mktemp(name.replace("+", "_")) / "m")
                 if variant == "legacy":
                     M.to_legacy_rope(dst)
+                elif variant == "notok":  # the same model without its tokenizer
+                    (dst / "tokenizer.json").unlink()
                 else:
                     raise KeyError(name)
                 cache[name] = dst

@@ -82,3 +82,18 @@ def test_cli_token_ids(build, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert err.startswith("qwen-rt: error: ") and needle in err, err
         assert "loading weights" not in err, err
+
+
+def test_cli_bad_flags_and_chat_without_tokenizer(build, capsys, monkeypatch):
+    """A flag argparse cannot read, or --chat to a folder without tokenizer.json, is one `qwen-rt: error:` line and
+    exit code 1, before anything loads."""
+    monkeypatch.setenv("QWEN_RT_PROGRESS", "1")
+    folder = build("qwen3_mha_untied+notok")
+    for argv, needle in ((["generate", "hi", "--max-tokens", "abc", "--model", str(folder)], "--max-tokens"),
+                         (["generate", "hi", "--no-such-flag", "--model", str(folder)], "--no-such-flag"),
+                         (["generate", "hi"], "--model"),
+                         (["generate", "hi", "--chat", "--model", str(folder)], "tokenizer")):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("qwen-rt: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+        assert "loading weights" not in err, err

@@ -236,3 +236,48 @@ def test_unset_max_tokens_stops_at_max_model_len(folder, gen, good):
     with pytest.raises(ValueError, match="min_tokens"):
         gen.generate(p, min_tokens=10, **GREEDY)
     assert_still_serves(gen, good)
+
+
+def test_numpy_numbers_are_accepted(folder, gen, good):
+    """NumPy integers and floats work wherever Python's do: token ids (in a list or an array, 1-D or 2-D) and
+    sampling fields. A NumPy bool is still not an int."""
+    import numpy as np
+    p, ref = good
+    kw = dict(max_tokens=np.int64(6), temperature=np.float32(0.0), ignore_eos=True)
+    assert gen.generate([np.int64(t) for t in p], **kw)[0].token_ids == ref
+    assert gen.generate(np.array(p), **kw)[0].token_ids == ref
+    assert [c.token_ids for c in gen.generate(np.array([p, p]), **kw)] == [ref, ref]
+    assert gen.submit(np.array(p, dtype=np.int32), **kw).result().token_ids == ref
+    assert list(gen.stream([np.int32(t) for t in p], **kw))[-1].finish_reason == "length"
+    with pytest.raises(TypeError, match="bool"):
+        gen.generate([np.bool_(True), 3], max_tokens=2)
+    with pytest.raises(TypeError, match="max_tokens"):
+        gen.generate(p, max_tokens=np.float64(3.0))
+    assert_still_serves(gen, good)
+
+
+def test_default_max_model_len_is_capped_by_the_kv_cache(folder, good):
+    """Left to its default, max_model_len is what the KV pool can hold (all of a request's tokens but its last),
+    so a request that sets no max_tokens runs to the pool's end (finish "length") instead of being refused."""
+    kw = M.base_kwargs(folder, max_batch_size=2, kv_cache_memory=M.kv_bytes(folder, 4, 16))
+    with qwen_rt.Generator(str(folder), **kw) as g:
+        assert g.max_model_len == 4 * 16 + 1
+        p, ref = good
+        (c,) = g.generate(p, **GREEDY)
+        assert c.finish_reason == "length" and len(p) + len(c.token_ids) == 65
+        assert c.token_ids[:6] == ref
+    with qwen_rt.Generator(str(folder), **dict(kw, max_model_len=200)) as g:  # set by the caller: kept
+        assert g.max_model_len == 200
+        with pytest.raises(ValueError, match="KV cache"):
+            g.generate(p, max_tokens=100, **GREEDY)
+
+
+def test_stream_checks_its_input_when_called(gen, good):
+    """stream() and astream() submit at once: bad input raises at the call, not at the first next()."""
+    with pytest.raises(TypeError):
+        gen.stream(123)
+    with pytest.raises(TypeError, match="max_token"):
+        gen.astream([1, 2, 3], max_token=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        gen.stream([1, 2, 3], max_tokens=0)
+    assert_still_serves(gen, good)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import models as M
+import qwen_rt
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 NAME = "qwen3_mha_untied"
@@ -342,6 +343,47 @@ def test_stop_string_streaming(folder, gen):
     assert deltas[-1].finish_reason == "stop"
     toks = [t for d in deltas for t in d.token_ids]
     assert i + 1 <= len(toks) <= i + 2 and toks == g[:len(toks)]
+
+
+def test_min_tokens_delays_stop_strings(folder, gen):
+    """A stop string ends a request only once it has min_tokens tokens, as a stop token id does."""
+    p, g, stop, idx, i = _stop_string_case(folder)
+    kw = dict(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    (c,) = gen.generate([p], min_tokens=i + 2, **kw)  # the stop string ends in token i + 1: min_tokens reached
+    assert c.finish_reason == "stop" and len(c.token_ids) == i + 2
+    (c,) = gen.generate([p], min_tokens=i + 4, **kw)
+    assert len(c.token_ids) >= i + 4 and c.token_ids == g[:len(c.token_ids)]
+    assert c.text.startswith(M.hf_tokenizer(str(folder)).decode(g)[:idx + len(stop)])  # the stop string passed
+
+
+def test_stop_string_ends_each_request_of_a_batch(folder, gen):
+    """generate() reads every request with stop strings as its tokens come: a request whose stop string comes
+    early ends then, in the engine too, while one before it in the list runs on (read in list order, both ran
+    to max_tokens)."""
+    import threading
+    p, g, stop, idx, i = _stop_string_case(folder)
+    (other,) = M.pick_prompts(folder, seed=515, lengths=[5], max_new=4)
+    n = 480
+    params = [qwen_rt.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+              qwen_rt.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop=[stop])]
+    outs = []
+    t = threading.Thread(target=lambda: outs.extend(gen.generate([other, p], params)))
+    t.start()
+    seen = set()
+    while t.is_alive():
+        seen.add(gen.stats()["running"])
+        t.join(0.001)
+    assert [c.finish_reason for c in outs] == ["length", "stop"] and len(outs[1].token_ids) <= i + 2
+    assert 1 in seen, seen  # the stopped request left the batch before the other ended
+
+
+def test_stop_strings_need_a_tokenizer(build, make_gen):
+    gen = make_gen(build("qwen3_mha_untied+notok"))
+    assert gen.tokenizer is None
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        gen.generate([[1, 2, 3]], max_tokens=2, stop=["x"])
+    (c,) = gen.generate([[1, 2, 3]], max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert c.finish_reason == "length" and len(c.token_ids) == 2
 
 
 # --- logprobs -------------------------------------------------------------------------------------

@@ -122,3 +122,15 @@ def test_tp_comm_timeout_bounds_steps_not_loading(build):
         t = time.perf_counter()
         g.close()
         assert time.perf_counter() - t < 10
+
+
+def test_tp_comm_timeout_without_limit(build):
+    """comm_timeout=inf (or any bound beyond what a clock holds) waits without a limit; it used to overflow into
+    an immediate timeout."""
+    import qwen_rt
+    folder = build("qwen3_mha_untied")
+    for bound in (float("inf"), 1e300):
+        with qwen_rt.Generator(str(folder), device="cpu", dtype="float32", tensor_parallel_size=2, progress=False,
+                               kv_cache_memory=1 << 20, comm_timeout=bound) as g:
+            (c,) = g.generate([[1, 2, 3, 4]], max_tokens=8, **GREEDY)
+            assert len(c.token_ids) == 8 and c.finish_reason == "length"

@@ -127,6 +127,7 @@ NB_MODULE(_core, m) {
       .def("release", &Engine::release, "request_id"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("wait", &Engine::wait, "request_id"_a, "timeout_s"_a, "until_finished"_a = false,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("wait_any", &Engine::wait_any, "request_ids"_a, "timeout_s"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", [](const Engine& e) {
         const EngineStats s = e.stats();

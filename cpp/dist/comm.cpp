@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/wait.h"
 #include "dist/comm.h"
 
 namespace qrt {
@@ -37,8 +38,7 @@ class ThreadGroup {
       cv_.notify_all();
       return;
     }
-    const bool ok =
-        cv_.wait_for(lock, std::chrono::duration<double>(timeout_), [&] { return gen_ != gen || aborted_; });
+    const bool ok = wait_seconds(cv_, lock, timeout_, [&] { return gen_ != gen || aborted_; });
     QRT_CHECK(!aborted_, "tensor-parallel group aborted after an earlier failure");
     QRT_CHECK(ok, "tensor-parallel rank timed out after ", timeout_, " s waiting for the other ranks");
   }

@@ -17,6 +17,7 @@
 
 #include "backend/random.h"
 #include "core/error.h"
+#include "core/wait.h"
 #include "dist/comm.h"
 #include "engine/scheduler.h"
 #include "kv/kv_cache.h"
@@ -44,14 +45,12 @@ class RankWorker {
     error_ = nullptr;
     cv_.notify_all();
   }
-  // Waits for the job (timeout_s infinite: without a limit); throws its exception, or after timeout_s (the job
-  // still runs).
+  // Waits for the job (timeout_s >= kNoLimitSeconds: without a limit); throws its exception, or after timeout_s
+  // (the job still runs).
   void wait(double timeout_s) {
     std::unique_lock<std::mutex> lk(m_);
-    if (std::isinf(timeout_s)) cv_.wait(lk, [&] { return done_; });
-    else
-      QRT_CHECK(cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; }),
-                "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
+    QRT_CHECK(wait_seconds(cv_, lk, timeout_s, [&] { return done_; }),
+              "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -171,7 +170,7 @@ struct Engine::Impl {
   void end_channel(const Request& r, Finish f, const std::string& error = "");
   // end_channel, and the request kept until the step in flight is done (loop thread, or the loop stopped).
   void finish(std::unique_ptr<Request> r, Finish f, const std::string& error = "");
-  void fail_all(const std::string& msg);
+  void fail_all(const std::string& msg) noexcept;
   void update_snapshot();
 };
 
@@ -182,7 +181,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(opt.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1");
   QRT_CHECK_ARG(opt.page_size >= 1 && (opt.page_size & (opt.page_size - 1)) == 0,
                 "page_size must be a power of two");
-  if (opt.max_model_len <= 0) opt.max_model_len = cfg.max_position_embeddings;
+  const bool default_len = opt.max_model_len <= 0;
+  if (default_len) opt.max_model_len = cfg.max_position_embeddings;
   QRT_CHECK_ARG(opt.max_model_len <= cfg.max_position_embeddings, "max_model_len ", opt.max_model_len,
                 " exceeds the model's max_position_embeddings ", cfg.max_position_embeddings);
   const bool cuda = opt.device == "cuda";
@@ -259,6 +259,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), kvdt);
     rk.be->synchronize();
   }, kNoLimit);
+  // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
+  // request could never run. (One the caller set stays; such a request is refused at submit.)
+  if (default_len) opt.max_model_len = int(std::min<int64_t>(opt.max_model_len, pages * opt.page_size + 1));
   SchedulerOptions so;
   so.max_batch_size = opt.max_batch_size;
   so.max_num_batched_tokens = opt.max_num_batched_tokens;
@@ -309,48 +312,68 @@ void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::strin
   if (launched) launched->retired.push_back(std::move(r));  // the step in flight may refer to it
 }
 
-void Engine::Impl::fail_all(const std::string& msg) {
+void Engine::Impl::fail_all(const std::string& msg) noexcept {
   std::lock_guard<std::mutex> lk(mu);
   failed = msg;
-  for (Request* r : sched->all_requests()) finish(sched->remove(r), Finish::Error, msg);
-  while (!incoming.empty()) {
-    finish(std::move(incoming.front()), Finish::Error, msg);
-    incoming.pop_front();
+  try {
+    // Every channel ends before any page is freed: should the scheduler's state be what failed (a release that
+    // throws), no waiter is left without its end.
+    const std::vector<Request*> all = sched->all_requests();
+    for (Request* r : all) end_channel(*r, Finish::Error, msg);
+    while (!incoming.empty()) {
+      finish(std::move(incoming.front()), Finish::Error, msg);
+      incoming.pop_front();
+    }
+    for (Request* r : all) {
+      std::unique_ptr<Request> u = sched->remove(r);
+      u->finished = true;
+      if (launched) launched->retired.push_back(std::move(u));
+    }
+    update_snapshot();
+  } catch (...) {  // the engine is failed already; its requests' ends are what matters
   }
-  update_snapshot();
   out_cv.notify_all();
 }
 
 void Engine::Impl::loop() {
-  while (true) {
-    std::vector<int64_t> cancelled;
-    {
-      std::unique_lock<std::mutex> lk(mu);
-      work_cv.wait(lk, [&] { return stop || !incoming.empty() || !cancels.empty() || !sched->idle(); });
-      if (stop) return;
-      while (!incoming.empty()) {
-        sched->add(std::move(incoming.front()));
-        incoming.pop_front();
+  // Whatever throws here (a step, or the scheduler while taking requests in) fails every request and ends the
+  // loop; nothing leaves the thread.
+  std::string error;
+  try {
+    while (true) {
+      std::vector<int64_t> cancelled;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        work_cv.wait(lk, [&] { return stop || !incoming.empty() || !cancels.empty() || !sched->idle(); });
+        if (stop) return;
+        while (!incoming.empty()) {
+          sched->add(std::move(incoming.front()));
+          incoming.pop_front();
+        }
+        cancelled.swap(cancels);
+        if (!cancelled.empty()) {
+          for (Request* r : sched->all_requests())
+            if (std::find(cancelled.begin(), cancelled.end(), r->id) != cancelled.end())
+              finish(sched->remove(r), Finish::Cancelled);
+          update_snapshot();
+          out_cv.notify_all();
+        }
       }
-      cancelled.swap(cancels);
-      if (!cancelled.empty()) {
-        for (Request* r : sched->all_requests())
-          if (std::find(cancelled.begin(), cancelled.end(), r->id) != cancelled.end())
-            finish(sched->remove(r), Finish::Cancelled);
-        update_snapshot();
-        out_cv.notify_all();
-      }
-    }
-    try {
       step();
-    } catch (const std::exception& e) {
-      // A rank or the device may still wait in a collective: end those waits before anything else.
-      for (auto& rk : ranks)
-        if (rk.comm) rk.comm->abort();
-      fail_all(std::string("engine step failed: ") + e.what());
-      return;
+    }
+  } catch (const std::exception& e) {
+    error = std::string("engine step failed: ") + e.what();
+  } catch (...) {
+    error = "engine step failed: an unknown error";
+  }
+  // A rank or the device may still wait in a collective: end those waits before anything else.
+  for (auto& rk : ranks) {
+    try {
+      if (rk.comm) rk.comm->abort();
+    } catch (...) {
     }
   }
+  fail_all(error);
 }
 
 // One turn of the loop. With one rank, the next step is planned and launched while the step before it
@@ -554,7 +577,7 @@ RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
   QRT_CHECK_ARG(m.channels.count(id), "unknown or finished request id ", id);
   // The channel is looked up again after every wake (ids are never reused): another thread waiting on the same
   // id may have taken the request's end and erased it.
-  m.out_cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), [&] {
+  wait_seconds(m.out_cv, lk, timeout_s, [&] {
     const auto c = m.channels.find(id);
     return c == m.channels.end() || c->second.finish != Finish::None ||
            (!until_finished && !c->second.tokens.empty());
@@ -566,6 +589,23 @@ RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
   it->second.top_n = o.top_n;
   if (o.finish != Finish::None) m.channels.erase(it);
   return o;
+}
+
+int64_t Engine::wait_any(const std::vector<int64_t>& ids, double timeout_s) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lk(m.mu);
+  int64_t ready = -1;
+  wait_seconds(m.out_cv, lk, timeout_s, [&] {
+    for (int64_t id : ids) {
+      const auto c = m.channels.find(id);
+      if (c == m.channels.end() || c->second.finish != Finish::None || !c->second.tokens.empty()) {
+        ready = id;
+        return true;
+      }
+    }
+    return false;
+  });
+  return ready;
 }
 
 EngineStats Engine::stats() const {
@@ -607,7 +647,7 @@ void Engine::close() {
         rk.model.reset();
         rk.comm.reset();
         rk.be.reset();
-      });
+      }, Impl::kNoLimit);  // with a bound, on_ranks' late path would abort communicators their ranks are freeing
     } catch (...) {
     }
   }

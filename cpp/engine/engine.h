@@ -17,7 +17,7 @@ struct EngineOptions {
   std::string weight_dtype = "float32";
   std::string act_dtype = "float32";
   int max_batch_size = 32;
-  int max_model_len = 0;           // 0: config max_position_embeddings
+  int max_model_len = 0;           // 0: config max_position_embeddings, capped by the KV pool
   int max_num_batched_tokens = 2048;
   int page_size = 16;
   int64_t kv_cache_memory = 0;     // bytes per rank; 0: from memory left
@@ -57,6 +57,9 @@ class Engine {
   // Once the returned output carries a finish reason the id is forgotten. Several threads may wait on one id:
   // each output goes to one of them, and a waiter whose id another took the end of gets std::invalid_argument.
   RequestOutput wait(int64_t id, double timeout_s, bool until_finished = false);
+  // Waits up to timeout_s until one of ids has output to take (tokens or its end; an id already forgotten counts)
+  // and returns it, or -1. Takes nothing: wait() fetches it.
+  int64_t wait_any(const std::vector<int64_t>& ids, double timeout_s);
   EngineStats stats() const;
   // Stops the loop, finishes pending requests as cancelled, frees every device byte. Idempotent.
   void close();

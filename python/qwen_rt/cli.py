@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import IO, Sequence
@@ -111,7 +112,9 @@ def _cmd_generate(args) -> int:
             prompt = [int(t) for t in prompt.replace(",", " ").split()]
         except ValueError:
             raise ValueError(f"--token-ids: the prompt must be integers ('1 2 3'), got {prompt[:40]!r}") from None
-    else:
+    if args.chat and os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        raise ValueError(f"--chat needs a tokenizer, and {args.model} has no tokenizer.json")
+    if not args.token_ids:
         from qwen_rt.model_files import packaged_name
         name = packaged_name(args.model, args.load_format)
         if name is not None:
@@ -138,9 +141,8 @@ def _cmd_generate(args) -> int:
     with Generator(args.model, **gen_kwargs) as gen:
         load_s = time.perf_counter() - t_load
         if args.chat:
-            if gen.tokenizer is None:
-                print("error: --chat needs a tokenizer, and this model has none", file=sys.stderr)
-                return 2
+            if gen.tokenizer is None:  # a hub model without one (a local folder is checked before loading)
+                raise ValueError("--chat needs a tokenizer, and this model has none")
             extra = {"enable_thinking": False} if args.no_thinking else {}
             prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                        add_generation_prompt=True, **extra)
@@ -240,8 +242,15 @@ def _cmd_info(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are bad input like any other: one `qwen-rt: error:` line and exit status 1 (main)."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see `{self.prog} -h`)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen-rt", description="Fast Qwen inference (qwen_rt).")
+    parser = _Parser(prog="qwen-rt", description="Fast Qwen inference (qwen_rt).")
     sub = parser.add_subparsers(dest="command", metavar="{generate,bench,info}")
     _add_generate(sub)
     sub.add_parser("bench", help="benchmarks (see `qwen-rt bench -h`)", add_help=False)
@@ -256,11 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from qwen_rt import bench
         return bench.main(argv[1:])
     parser = _build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return args.func(args)
     except (ValueError, TypeError) as e:  # bad input, named by the library
         print(f"qwen-rt: error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 from . import _core
 from .config import FLOAT_DTYPES, native_config
 from .model_files import resolve, text_config
-from .sampling import INT32_MAX, Completion, Delta, SamplingParams
+from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 __all__ = ["Generator", "Request"]
@@ -134,13 +134,14 @@ class Request:
                 text += self._detok.flush()
         else:  # token by token, so the request ends at the token that completes a stop string
             for i in range(n_text):
-                piece, stopped = self._stop.feed(self._detok.push([tokens[i]]) if self._detok else "")
+                armed = len(self.token_ids) + i + 1 >= self.params.min_tokens  # stop strings wait for min_tokens
+                piece, stopped = self._stop.feed(self._detok.push([tokens[i]]) if self._detok else "", armed)
                 text += piece
                 if stopped:
                     kept = i + 1
                     break
             if not stopped and reason is not None:
-                piece, stopped = self._held_text()
+                piece, stopped = self._held_text(len(self.token_ids) + len(tokens) >= self.params.min_tokens)
                 text += piece
         tokens = tokens[:kept]
         if self.logprobs is not None and kept < len(out.tokens):
@@ -202,13 +203,13 @@ class Request:
                 self.text += self._held_text()[0]
                 self.finish_reason = "cancelled"
 
-    def _held_text(self) -> tuple[str, bool]:
+    def _held_text(self, armed: bool = True) -> tuple[str, bool]:
         """At the end: the text of taken tokens that the detokenizer and the stop matcher still hold (cut at a stop
-        string it completes), and whether one did."""
+        string it completes, when armed: min_tokens reached), and whether one did."""
         tail = self._detok.flush() if self._detok else ""
         if self._stop is None:
             return tail, False
-        piece, stopped = self._stop.feed(tail)
+        piece, stopped = self._stop.feed(tail, armed)
         return (piece, True) if stopped else (piece + self._stop.flush(), False)
 
     def __del__(self):
@@ -349,6 +350,8 @@ class Generator:
             sampling = sampling.replace(**kwargs)
         p = sampling.resolved(self._defaults)
         p.validate(self.vocab_size)
+        if p.stop_strings() and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         return p
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -357,9 +360,10 @@ class Generator:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise TypeError("a token-id prompt must be a list of int")
-            ids = list(prompt)
+            bad = next((t for t in prompt if not is_int(t)), None)
+            if bad is not None:
+                raise TypeError(f"a token-id prompt must be a list of int, and holds a {type(bad).__name__}")
+            ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -383,16 +387,24 @@ class Generator:
                              f"{self.max_model_len}")
 
     @staticmethod
-    def _prompt_list(prompts) -> list:
+    def _as_lists(prompts):
+        """A NumPy array of token ids (1-D: one prompt, 2-D: one per row) as lists of Python ints."""
+        if hasattr(prompts, "tolist") and hasattr(prompts, "ndim") and prompts.ndim in (1, 2):
+            return prompts.tolist()
+        return prompts
+
+    @classmethod
+    def _prompt_list(cls, prompts) -> list:
+        prompts = cls._as_lists(prompts)
         if isinstance(prompts, str):
             return [prompts]
         if isinstance(prompts, (list, tuple)):
             if not prompts:
                 raise ValueError("prompts is empty")
-            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-                return [list(prompts)]
-            if all(isinstance(p, (str, list, tuple)) for p in prompts):
-                return list(prompts)
+            items = [cls._as_lists(p) for p in prompts]
+            if all(isinstance(p, (str, list, tuple)) for p in items):
+                return items
+            return [list(prompts)]  # one token-id prompt (_prompt_ids names an element that is no int)
         raise TypeError("prompts must be a str, a list of str, a list of token ids or a list of lists of token ids")
 
     def _native_sampling(self, p: SamplingParams) -> "_core.SamplingOptions":
@@ -450,7 +462,8 @@ class Generator:
 
     def submit(self, prompt, sampling: SamplingParams | None = None, **kwargs) -> Request:
         """Queues one prompt and returns its Request at once."""
-        if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompt = self._as_lists(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, (str, list, tuple)) for t in prompt):
             raise TypeError("submit takes one prompt: a str or a list of token ids")
         return self._submit_many(prompt, sampling, kwargs)[0]
 
@@ -460,16 +473,28 @@ class Generator:
         SamplingParams for all, or a list with one per prompt; keyword arguments override fields of each."""
         reqs = self._submit_many(prompts, sampling, kwargs)
         try:
-            return [r.result() for r in reqs]
+            return self._results(reqs)
         except BaseException:
             for r in reqs:
                 r.cancel()
             raise
 
+    def _results(self, reqs: list[Request]) -> list[Completion]:
+        """The requests' completions, in order. Those with stop strings are read as their tokens arrive, all in
+        turn, so each one ends at its stop string wherever it is in the list (read one after another, a later
+        request would run on to max_tokens while the earlier ones finish)."""
+        watched = [r for r in reqs if r._stop is not None]
+        while watched:
+            if self._engine_call("wait_any", [r._rid for r in watched], _POLL_S) >= 0:
+                for r in watched:
+                    r._poll(0.0)
+            watched = [r for r in watched if not r.finished]
+        return [r.result() for r in reqs]
+
     def stream(self, prompt, sampling: SamplingParams | None = None, **kwargs) -> Iterator[Delta]:
-        """Yields Deltas as tokens arrive; leaving the loop early cancels the request."""
-        req = self.submit(prompt, sampling, **kwargs)
-        yield from req
+        """Submits at once (bad input raises here) and returns an iterator of Deltas as tokens arrive; leaving the
+        loop early cancels the request."""
+        return iter(self.submit(prompt, sampling, **kwargs))
 
     def chat(self, messages, sampling: SamplingParams | None = None, *, chat_template_kwargs: dict | None = None,
              **kwargs) -> Completion:
@@ -486,14 +511,18 @@ class Generator:
                         **kwargs) -> list[Completion]:
         reqs = self._submit_many(prompts, sampling, kwargs)
         try:
-            return [await asyncio.to_thread(r.result) for r in reqs]
+            return await asyncio.to_thread(self._results, reqs)
         except BaseException:
             for r in reqs:
                 r.cancel()
             raise
 
-    async def astream(self, prompt, sampling: SamplingParams | None = None, **kwargs):
-        req = self.submit(prompt, sampling, **kwargs)
+    def astream(self, prompt, sampling: SamplingParams | None = None, **kwargs):
+        """stream() for asyncio: submits at once (bad input raises here); `async for` over the result."""
+        return self._astream(self.submit(prompt, sampling, **kwargs))
+
+    @staticmethod
+    async def _astream(req: Request):
         it = iter(req)
         done = object()
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import struct
 from dataclasses import dataclass, field, fields
 
@@ -10,6 +11,11 @@ __all__ = ["SamplingParams", "Completion", "Delta"]
 
 DEFAULT_MAX_TOKENS = 256
 INT32_MAX = 2**31 - 1
+
+
+def is_int(v) -> bool:
+    """An integer, Python's or NumPy's, and not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _float32(name: str, v) -> float:
@@ -74,9 +80,9 @@ class SamplingParams:
         """Raises TypeError / ValueError naming the first bad field. Call on a resolved copy."""
         def number(name, lo=None, lo_open=False, hi=None, hi_open=False, integer=False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or (integer and not is_int(v)):
                 raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {type(v).__name__}")
-            if isinstance(v, float) and not math.isfinite(v):
+            if not integer and not is_int(v) and not math.isfinite(v):  # (an int may exceed any float)
                 raise ValueError(f"{name} must be finite, got {v}")
             # The engine holds it as an int32 or a float32: the value and what the engine holds must both be in
             # bounds (top_p=1e-50 is 0 in float32; -1e-46 is -0.0).
@@ -118,7 +124,7 @@ class SamplingParams:
                 raise ValueError("stop strings must not be empty")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+                    is_int(t) for t in self.stop_token_ids):
                 raise TypeError("stop_token_ids must be a list of int")
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

@@ -293,14 +293,16 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string reached
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """armed=False: no stop string may end in this text (the request has not reached min_tokens); a tail that
+        could begin one is still held back, so a stop string that ends in a later, armed feed is found."""
         if self.stopped:
             return "", True
         if not self.stops:
             return text, False
         buf = self._held + text
         best = None  # (end, -len, start, stop)
-        for s in self.stops:
+        for s in self.stops if armed else ():
             i = buf.find(s)
             if i >= 0:
                 cand = (i + len(s), -len(s), i, s)
