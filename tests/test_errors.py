@@ -215,6 +215,11 @@ def test_bad_generator_arguments(folder):
     for bad, err in ((0, ValueError), (float("nan"), ValueError), ("10", TypeError)):
         with pytest.raises(err, match="comm_timeout"):
             qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2), comm_timeout=bad)
+    for name, bad, err in (("gpu_memory_utilization", "0.5", TypeError), ("gpu_memory_utilization", True, TypeError),
+                           ("gpu_memory_utilization", 1.5, ValueError), ("cuda_graphs", "no", TypeError),
+                           ("progress", 1, TypeError)):
+        with pytest.raises(err, match=name):  # before anything loads
+            qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {name: bad})
 
 
 def test_missing_folder_file(folder, tmp_path):

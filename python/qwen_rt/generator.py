@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import numbers
 import os
 import sys
 import threading
@@ -261,8 +262,13 @@ class Generator:
             raise TypeError("kv_cache_memory must be an int (bytes) or None")
         if kv_cache_memory is not None and not 0 < kv_cache_memory < 2**63:
             raise ValueError(f"kv_cache_memory must be in (0, 2**63) bytes, got {kv_cache_memory}")
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real):
+            raise TypeError(f"gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        for name, v in (("cuda_graphs", cuda_graphs), ("progress", progress)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if comm not in ("auto", "nccl"):
@@ -335,9 +341,10 @@ class Generator:
         return list(self.tokenizer.eos_token_ids) if self.tokenizer else []
 
     def _engine_call(self, name, *args):
-        if self._engine is None:
+        engine = self._engine  # read once: close() from another thread may clear it
+        if engine is None:
             raise RuntimeError("the Generator is closed")
-        return getattr(self._engine, name)(*args)
+        return getattr(engine, name)(*args)
 
     # -- request building --------------------------------------------------------------------------
 
