@@ -295,6 +295,7 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     assert mf.name == "org/model" and set(mf.tensors) == {"a"}
     assert calls[-1][:2] == ("org/model", "abc") and "*.safetensors" in calls[-1][2]
     assert "tokenizer.json" in calls[-1][2] and "config.json" in calls[-1][2]
+    assert "additional_chat_templates/*.jinja" in calls[-1][2]  # named templates (tool_use), as from_dir reads
     resolve("org/model", load_format="dummy")
     assert not any("safetensors" in p for p in calls[-1][2])
 
@@ -311,3 +312,28 @@ def test_text_config():
     assert t["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert t["quantization_config"] == {"quant_method": "fp8"} and t["tie_word_embeddings"] is False
     assert "vision_config" not in t and "text_config" not in t
+
+
+def test_native_config_defaults_and_refusals():
+    """What config.json does not say is taken as transformers takes it; what the engine cannot run as the config
+    says (quantized weights, a sliding window shorter than the context) is a ValueError naming it."""
+    from qwen_rt.config import native_config
+    base = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+            "max_position_embeddings": 1024}
+    assert native_config(base).head_dim == 128  # Qwen3Config's default, not hidden_size / heads
+    assert native_config(dict(base, model_type="qwen2")).head_dim == 64
+    assert native_config(base).max_position_embeddings == 1024
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert native_config(dict(base, rope_scaling=yarn)).max_position_embeddings == 4096  # Qwen's long-context recipe
+    for bad, needle in (({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+                        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq"),
+                        ({"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 0}, "sliding"),
+                        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 256}, "sliding")):
+        with pytest.raises(ValueError, match=needle):
+            native_config(dict(base, **bad))
+    # Windows that never bind: no layer uses one, or it covers the whole context.
+    for ok in ({"use_sliding_window": False, "sliding_window": 256},
+               {"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 2},
+               {"use_sliding_window": True, "sliding_window": 4096}):
+        native_config(dict(base, **ok))

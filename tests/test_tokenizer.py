@@ -638,3 +638,14 @@ def test_cancel_of_a_closed_request_keeps_the_held_back_text(tok, text, stop):
     r.cancel()
     assert r.finish_reason == "cancelled" and r.token_ids == taken
     assert r.text == tok.decode(taken)
+
+
+def test_stop_unarmed_text_never_ends_a_request():
+    """Text fed unarmed (before min_tokens) ends no stop string, even held back as the start of a longer one."""
+    m = StopMatcher(["\n", "\n\n"])
+    assert m.feed("abc\n", armed=False) == ("abc", False)
+    assert m.feed("x") == ("\nx", False)
+    assert m.feed("y\n") == ("y", True)
+    m = StopMatcher(["ab"])
+    assert m.feed("a", armed=False) == ("", False)
+    assert m.feed("b") == ("", True)  # a stop that ends in armed text counts, wherever it began

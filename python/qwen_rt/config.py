@@ -90,6 +90,30 @@ def stored_dtype(cfg: dict) -> str:
     return d if d in FLOAT_DTYPES else "bfloat16"
 
 
+def context_limit(cfg: dict, max_pos: int) -> int:
+    """The longest context the model serves: max_position_embeddings, or with yarn the original length times the
+    factor (Qwen's recipe for long contexts: factor 4 over 32768 positions is 131072)."""
+    p = _rope_parameters(cfg)
+    if p["rope_type"] != "yarn" or not p.get("factor"):
+        return max_pos
+    orig = p.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    return max(max_pos, int(orig * float(p["factor"])))
+
+
+def _check_full_attention(cfg: dict, context: int) -> None:
+    """Every layer attends to all keys here: a config whose layers use a window shorter than the context is
+    refused rather than run differently (official Qwen2/Qwen3 configs set use_sliding_window false)."""
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types") is not None:
+        sliding = "sliding_attention" in cfg["layer_types"]
+    else:  # Qwen2's rule: with use_sliding_window, layers from max_window_layers on use the window
+        first = cfg.get("max_window_layers")
+        sliding = bool(cfg.get("use_sliding_window")) and (first is None or first < cfg.get("num_hidden_layers", 0))
+    if sliding and window is not None and int(window) < context:
+        raise ValueError(f"sliding-window attention (window {window}, use_sliding_window / layer_types) is not "
+                         "supported")
+
+
 def native_config(cfg: dict) -> "_core.ModelConfig":
     """Checks config.json and converts it; ValueError naming what is missing or unsupported."""
     arch = architecture(cfg)
@@ -101,18 +125,25 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
             raise ValueError(f"config.json lacks {key!r}")
         return cfg[key]
 
+    q = cfg.get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+        raise ValueError(f"quantized checkpoints (quant_method {method!r}) are not supported yet: use the model's "
+                         "bf16/fp16 release")
     c.vocab_size = int(need("vocab_size"))
     c.hidden_size = int(need("hidden_size"))
     c.num_layers = int(need("num_hidden_layers"))
     c.num_q_heads = int(need("num_attention_heads"))
     c.num_kv_heads = int(cfg.get("num_key_value_heads") or c.num_q_heads)
-    c.head_dim = int(cfg.get("head_dim") or c.hidden_size // c.num_q_heads)
+    # transformers' Qwen3Config defaults head_dim to 128; Qwen2's is hidden_size / heads.
+    c.head_dim = int(cfg.get("head_dim") or (128 if arch == "qwen3" else c.hidden_size // c.num_q_heads))
     c.intermediate_size = int(need("intermediate_size"))
     c.rms_eps = float(cfg.get("rms_norm_eps", 1e-6))
     c.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
     c.attn_bias = True if arch == "qwen2" else bool(cfg.get("attention_bias", False))
     c.qk_norm = arch == "qwen3"
-    c.max_position_embeddings = int(need("max_position_embeddings"))
+    c.max_position_embeddings = context_limit(cfg, int(need("max_position_embeddings")))
+    _check_full_attention(cfg, c.max_position_embeddings)
     inv, af = rope_inv_freq(cfg, c.head_dim)
     c.rope_inv_freq = [float(x) for x in inv]
     c.rope_attention_factor = af

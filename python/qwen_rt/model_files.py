@@ -37,7 +37,7 @@ _ALIASES = {
 }
 
 _HUB_PATTERNS_META = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "chat_template.jinja"]
+                      "chat_template.jinja", "additional_chat_templates/*.jinja"]
 _HUB_PATTERNS_WEIGHTS = ["*.safetensors", "model.safetensors.index.json"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit

@@ -303,7 +303,8 @@ class StopMatcher:
         buf = self._held + text
         best = None  # (end, -len, start, stop)
         for s in self.stops if armed else ():
-            i = buf.find(s)
+            # Only a stop that ends in the new text: the held text ended no stop when it came (or came unarmed).
+            i = buf.find(s, max(0, len(self._held) - len(s) + 1))
             if i >= 0:
                 cand = (i + len(s), -len(s), i, s)
                 if best is None or cand < best:
