@@ -118,7 +118,8 @@ class Backend {
     fill_zero(p, bytes);
     return p;
   }
-  virtual void release(void* p) = 0;
+  // Never throws: called from destructors, also after a device fault (what cannot be freed then is left).
+  virtual void release(void* p) noexcept = 0;
   // Stream-ordered copy from host memory; host_src may be reused once upload returns.
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
@@ -246,6 +247,9 @@ class Backend {
   virtual void begin_capture() {}
   virtual int end_capture() { return -1; }
   virtual void replay(int graph) { (void)graph; }
+  // Destroys every graph (one still running is freed when it completes). Before a communicator is destroyed:
+  // NCCL waits for the graphs that captured its collectives.
+  virtual void drop_graphs() {}
 
  private:
   SampleResult results_[2];  // the default sample_start's results

@@ -645,6 +645,7 @@ void Engine::close() {
         }
         rk.kv.reset();
         rk.model.reset();
+        if (rk.be) rk.be->drop_graphs();  // first: NCCL's destroy waits for graphs that captured collectives
         rk.comm.reset();
         rk.be.reset();
       }, Impl::kNoLimit);  // with a bound, on_ranks' late path would abort communicators their ranks are freeing

@@ -100,7 +100,7 @@ class CpuBackend final : public Backend {
     mapped_[p] = bytes;
     return p;
   }
-  void release(void* p) override {
+  void release(void* p) noexcept override {
     {
       std::lock_guard<std::mutex> lk(mapped_mu_);
       if (auto it = mapped_.find(p); it != mapped_.end()) {

@@ -58,8 +58,8 @@ void CudaBackend::cleanup() noexcept {
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (auto g : graphs_) cudaGraphExecDestroy(g);
   graphs_.clear();
-  for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_x_, &sample_io_[0].dev_out,
-                     &sample_io_[1].dev_out}) {
+  for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_stats_, &sample_x_,
+                     &sample_io_[0].dev_out, &sample_io_[1].dev_out}) {
     if (s->p) cudaFree(s->p);
     s->p = nullptr;
     s->bytes = 0;
@@ -83,6 +83,12 @@ void CudaBackend::cleanup() noexcept {
   // gemm_ (handle, workspace) is destroyed after this body, on the same device.
 }
 
+void CudaBackend::drop_graphs() {
+  if (cudaSetDevice(dev_) != cudaSuccess) cudaGetLastError();
+  for (auto g : graphs_) cudaGraphExecDestroy(g);  // a graph still running is freed when it completes
+  graphs_.clear();
+}
+
 void CudaBackend::no_capture(const char* op) const {
   QRT_CHECK(!capturing_, "cuda ", op, ": not allowed while a graph is being captured");
 }
@@ -101,10 +107,10 @@ void* CudaBackend::alloc(size_t bytes) {
   return p;
 }
 
-void CudaBackend::release(void* p) {
+void CudaBackend::release(void* p) noexcept {
   if (!p) return;
-  set_device();
-  check(cudaFree(p), "cudaFree");
+  // After a device fault every call fails; the error is cleared so no later check names the wrong op.
+  if (cudaSetDevice(dev_) != cudaSuccess || cudaFree(p) != cudaSuccess) cudaGetLastError();
 }
 
 void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {

@@ -24,7 +24,7 @@ class CudaBackend final : public Backend {
   void set_device() const;
 
   void* alloc(size_t bytes) override;
-  void release(void* p) override;
+  void release(void* p) noexcept override;
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void fill_zero(void* p, size_t bytes) override;
@@ -71,6 +71,7 @@ class CudaBackend final : public Backend {
   void begin_capture() override;
   int end_capture() override;
   void replay(int graph) override;
+  void drop_graphs() override;
 
  private:
   // Device scratch that only grows. A buffer replaced while graphs may refer to it is kept until
