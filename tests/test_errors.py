@@ -286,3 +286,13 @@ def test_stream_checks_its_input_when_called(gen, good):
     with pytest.raises(ValueError, match="max_tokens"):
         gen.stream([1, 2, 3], max_tokens=0)
     assert_still_serves(gen, good)
+
+
+def test_auto_dtype_follows_the_stored_tensors(folder, tmp_path, good):
+    """dtype="auto" keeps the weights as stored even where config.json names another dtype (or none)."""
+    f = _copy(folder, tmp_path)
+    M.edit_json(f / "config.json", lambda c: c.update(dtype="bfloat16"))
+    with qwen_rt.Generator(str(f), **(M.base_kwargs(f, max_batch_size=2) | {"dtype": "auto"})) as g:
+        assert g.weight_dtype == "float32"  # the tensors are F32
+        p, ref = good
+        assert g.generate(p, max_tokens=6, **GREEDY)[0].token_ids == ref

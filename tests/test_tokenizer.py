@@ -426,6 +426,25 @@ def test_chat_template_matches_transformers(tok, tok_dir, conv, agp):
         assert ours == ref, kw
 
 
+def test_continue_final_message_matches_transformers(tok, tok_dir):
+    """continue_final_message=True ends the prompt inside the last message (no end of turn), as transformers
+    does, also where the content has whitespace around it; NumPy values in template variables are plain ones."""
+    import numpy as np
+    hf = _hf(tok_dir)
+    for final in ("The answer is", "  spaced  ", "line\n"):
+        for msgs in ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": final}],
+                     [{"role": "user", "content": final}]):
+            ours = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+            ref = hf.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True,
+                                         tokenize=False)
+            assert ours == ref, (final, msgs)
+    with pytest.raises(ValueError, match="exclude"):
+        tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, continue_final_message=True)
+    msgs = CONVERSATIONS[0]
+    assert tok.apply_chat_template(msgs, enable_thinking=np.False_) == tok.apply_chat_template(
+        msgs, enable_thinking=False)
+
+
 @pytest.mark.parametrize("agp", [True, False])
 def test_chatml_template_whitespace_and_loopcontrols(tmp_path, agp):
     tok = _train(tmp_path, template=CHATML_TEMPLATE)

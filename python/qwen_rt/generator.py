@@ -47,6 +47,16 @@ def _resolve_dtypes(device: str, dtype, stored: str) -> tuple[str, str]:
     return w, w
 
 
+_SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _stored_dtype(tensors: dict, from_config: str) -> str:
+    """The checkpoint's weight dtype: that of its embedding as stored (config.json's dtype may be missing or
+    wrong), else config.json's."""
+    t = tensors.get("model.embed_tokens.weight")
+    return _SAFETENSORS_FLOATS.get(t.dtype, from_config) if t is not None else from_config
+
+
 class _Progress:
     """Progress bar for long native steps (tqdm when available)."""
 
@@ -283,7 +293,7 @@ class Generator:
         self.generation_config = dict(files.generation_config)
         ncfg = native_config(self.config)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(files.root) if files.root else None
-        wdt, adt = _resolve_dtypes(dev, dtype, ncfg.stored_dtype)
+        wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, ncfg.stored_dtype))
 
         opts = _core.EngineOptions()
         opts.device = dev
@@ -511,7 +521,8 @@ class Generator:
     def chat_prompt(self, messages, **template_kwargs) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        template_kwargs.setdefault("add_generation_prompt", not template_kwargs.get("continue_final_message"))
+        text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
         return self.tokenizer.encode(text)
 
     async def agenerate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,

@@ -51,6 +51,17 @@ def _compile_template(source: str):
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+def _plain(v):
+    """v with NumPy scalars and arrays (also inside dicts and lists) as Python values, as a template expects."""
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):
+        return v.tolist()
+    return v
+
+
 def _normalize_messages(messages) -> list[dict]:
     # As transformers does: keys whose value is None are dropped; reasoning under older names is also
     # passed as "reasoning_content" (and "thinking").
@@ -173,11 +184,16 @@ class Tokenizer:
 
     # -- chat template ---------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **kwargs) -> str:
         """Renders messages with the model's chat template, as transformers'
         apply_chat_template(..., tokenize=False) does. kwargs reach the template (tools, documents,
         enable_thinking, ...); a `chat_template` kwarg replaces the model's template. Messages without a
-        role, and errors the template raises (raise_exception, undefined fields, sandbox), are ValueError."""
+        role, and errors the template raises (raise_exception, undefined fields, sandbox), are ValueError.
+        continue_final_message: the prompt ends where the last message's content ends (no end-of-turn), so the
+        model continues that message; it excludes add_generation_prompt."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         tools = kwargs.pop("tools", None)
         template = self._pick_template(kwargs.pop("chat_template", None), tools)
         if not template:
@@ -192,16 +208,32 @@ class Tokenizer:
                 raise TypeError("tools must be a list of JSON-schema dicts or Python functions")
             tools = [t if isinstance(t, dict) else tool_schema(t) for t in tools]
         documents = kwargs.pop("documents", None)
-        variables = {**self.special_tokens, **kwargs}
-        messages = _normalize_messages(messages)
+        variables = {**self.special_tokens, **_plain(kwargs)}
+        messages = _normalize_messages(_plain(list(messages)))
         import jinja2
 
         try:
-            return _compile_template(template).render(
+            text = _compile_template(template).render(
                 messages=messages, tools=tools, documents=documents,
                 add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:  # raise_exception(), undefined fields, sandbox violations
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception(), undefined fields, sandbox, bad types
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
+        return self._cut_at_final_message(text, messages[-1]) if continue_final_message else text
+
+    @staticmethod
+    def _cut_at_final_message(text: str, final: dict) -> str:
+        """text up to the end of the final message's content, as transformers cuts it: at the last place the
+        content (stripped) occurs, keeping its trailing whitespace only where the template kept it."""
+        content = final.get("content")
+        if isinstance(content, (list, tuple)):  # parts: the last text part is what continues
+            texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            content = texts[-1] if texts else None
+        if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+            raise ValueError("continue_final_message: the final message's content does not appear in the "
+                             "rendered prompt")
+        at = text.rindex(content.strip())
+        whole = content.lstrip()
+        return text[:at + (len(whole) if text[at:at + len(whole)] == whole else len(content.strip()))]
 
 
 class IncrementalDetokenizer:
