@@ -220,6 +220,10 @@ def test_bad_generator_arguments(folder):
                            ("progress", 1, TypeError)):
         with pytest.raises(err, match=name):  # before anything loads
             qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {name: bad})
+    # On CUDA a step's sequences and tokens index grid dimensions (checked before any device is touched).
+    for name in ("max_batch_size", "max_num_batched_tokens"):
+        with pytest.raises(ValueError, match=f"{name} must be <= 65535 on CUDA"):
+            qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_batch_size=2) | {"device": "cuda", name: 70000})
 
 
 def test_missing_folder_file(folder, tmp_path):

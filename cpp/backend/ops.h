@@ -115,7 +115,12 @@ class Backend {
   // alloc, zero-filled (in stream order).
   virtual void* alloc_zeroed(size_t bytes) {
     void* p = alloc(bytes);
-    fill_zero(p, bytes);
+    try {
+      fill_zero(p, bytes);
+    } catch (...) {
+      release(p);
+      throw;
+    }
     return p;
   }
   // Never throws: called from destructors, also after a device fault (what cannot be freed then is left).
@@ -246,6 +251,8 @@ class Backend {
   virtual bool supports_graphs() const { return false; }
   virtual void begin_capture() {}
   virtual int end_capture() { return -1; }
+  // Ends a capture that failed midway: nothing is kept, the stream is usable again, no error is left behind.
+  virtual void abort_capture() noexcept {}
   virtual void replay(int graph) { (void)graph; }
   // Destroys every graph (one still running is freed when it completes). Before a communicator is destroyed:
   // NCCL waits for the graphs that captured its collectives.

@@ -188,6 +188,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   const bool cuda = opt.device == "cuda";
   QRT_CHECK_ARG(cuda || opt.device == "cpu", "unknown device '", opt.device, "'");
   if (cuda) {
+    // A step's sequences and a chunk's tokens index CUDA grid dimensions that hold at most 65535 blocks.
+    QRT_CHECK_ARG(opt.max_batch_size <= 65535, "max_batch_size must be <= 65535 on CUDA, got ", opt.max_batch_size);
+    QRT_CHECK_ARG(opt.max_num_batched_tokens <= 65535, "max_num_batched_tokens must be <= 65535 on CUDA, got ",
+                  opt.max_num_batched_tokens);
     const int count = cuda_device_count();
     QRT_CHECK_ARG(count > 0, "no CUDA device is usable: ", count == 0 ? cuda_plugin_error() : "");
     QRT_CHECK_ARG(opt.device_index >= 0 && opt.device_index + n <= count, "cuda:", opt.device_index, " with ",

@@ -262,7 +262,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sample
       try {
         body(b, bucket, bucket, kv);
       } catch (...) {
-        be_.end_capture();  // leave the stream usable; the step fails
+        be_.abort_capture();  // leave the stream usable; the step fails with the body's error
         throw;
       }
       it = graphs_.emplace(bucket, be_.end_capture()).first;

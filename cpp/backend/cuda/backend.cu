@@ -544,6 +544,15 @@ int CudaBackend::end_capture() {
   return int(graphs_.size()) - 1;
 }
 
+void CudaBackend::abort_capture() noexcept {
+  if (!capturing_) return;
+  capturing_ = false;
+  cudaSetDevice(dev_);
+  cudaGraph_t g = nullptr;
+  if (cudaStreamEndCapture(stream_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+  cudaGetLastError();  // an invalidated capture's error: the body's own error is the one reported
+}
+
 void CudaBackend::replay(int graph) {
   set_device();
   QRT_CHECK(graph >= 0 && graph < int(graphs_.size()), "cuda replay: no graph ", graph);

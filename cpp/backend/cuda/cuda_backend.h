@@ -72,6 +72,7 @@ class CudaBackend final : public Backend {
   int end_capture() override;
   void replay(int graph) override;
   void drop_graphs() override;
+  void abort_capture() noexcept override;
 
  private:
   // Device scratch that only grows. A buffer replaced while graphs may refer to it is kept until
