@@ -1,6 +1,7 @@
 // NcclComm: the Comm of one rank over NCCL, stream-ordered on its CudaBackend's compute stream.
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -33,7 +34,7 @@ class NcclComm final : public Comm {
     nccl_check(ncclCommInitRankConfig(&comm_, size, id, rank, &cfg), "ncclCommInitRankConfig");
   }
   ~NcclComm() override {
-    if (comm_) {
+    if (comm_ && !aborted_) {
       cudaSetDevice(be_.device());
       cudaStreamSynchronize(be_.stream());
       ncclCommDestroy(comm_);
@@ -42,16 +43,17 @@ class NcclComm final : public Comm {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  // Called from the engine's thread while this rank's thread may be about to enqueue: the flag goes up before
+  // the communicator goes, so a rank that resumes late finds it down instead of enqueueing on a freed one.
   void abort() override {
     std::lock_guard<std::mutex> lk(abort_mu_);
-    if (!comm_) return;
+    if (aborted_.exchange(true)) return;
     ncclCommAbort(comm_);  // ends the collectives in flight; the stream's kernels return
-    comm_ = nullptr;
   }
 
   void all_reduce_sum(Tensor& x) override {
     QRT_CHECK(x.contiguous() || x.rows <= 1, "nccl all_reduce_sum: tensor must be contiguous");
-    QRT_CHECK(comm_, "nccl: the communicator was aborted after an earlier failure");
+    QRT_CHECK(!aborted_, "nccl: the communicator was aborted after an earlier failure");
     be_.set_device();
     if (x.numel() == 0) return;
     nccl_check(ncclAllReduce(x.data, x.data, size_t(x.numel()), nccl_type(x.dtype), ncclSum, comm_, be_.stream()),
@@ -64,7 +66,7 @@ class NcclComm final : public Comm {
     QRT_CHECK(recv.rows == send.rows * size_ && recv.cols == send.cols && recv.dtype == send.dtype,
               "nccl all_gather_rows: recv is [", recv.rows, ",", recv.cols, "], want [", send.rows * size_, ",",
               send.cols, "]");
-    QRT_CHECK(comm_, "nccl: the communicator was aborted after an earlier failure");
+    QRT_CHECK(!aborted_, "nccl: the communicator was aborted after an earlier failure");
     be_.set_device();
     if (send.numel() == 0) return;
     nccl_check(ncclAllGather(send.data, recv.data, size_t(send.numel()), nccl_type(send.dtype), comm_, be_.stream()),
@@ -74,7 +76,8 @@ class NcclComm final : public Comm {
  private:
   CudaBackend& be_;
   int rank_, size_;
-  ncclComm_t comm_ = nullptr;  // null once aborted
+  ncclComm_t comm_ = nullptr;  // freed by abort(), else by the destructor
+  std::atomic<bool> aborted_{false};
   std::mutex abort_mu_;
 };
 
