@@ -468,7 +468,12 @@ class Generator:
         reqs: list[Request] = []
         try:
             for ids, p, native in zip(ids_list, params, natives):
-                reqs.append(Request(self, self._engine_call("submit", ids, native), ids, p))
+                rid = self._engine_call("submit", ids, native)
+                try:
+                    reqs.append(Request(self, rid, ids, p))
+                except BaseException:  # (Ctrl-C) a submitted request without its handle: the engine drops it
+                    self._engine_call("release", rid)
+                    raise
         except BaseException:
             for r in reqs:
                 r.cancel()
