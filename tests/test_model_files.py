@@ -293,11 +293,21 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     mf = resolve("org/model", revision="abc")
     assert mf.name == "org/model" and set(mf.tensors) == {"a"}
-    assert calls[-1][:2] == ("org/model", "abc") and "*.safetensors" in calls[-1][2]
-    assert "tokenizer.json" in calls[-1][2] and "config.json" in calls[-1][2]
-    assert "additional_chat_templates/*.jinja" in calls[-1][2]  # named templates (tool_use), as from_dir reads
+    # First the metadata (with the index, if any), then the weights: without an index, the safetensors files.
+    assert calls[-2][:2] == ("org/model", "abc") and calls[-1][:2] == ("org/model", "abc")
+    assert "tokenizer.json" in calls[-2][2] and "config.json" in calls[-2][2]
+    assert "additional_chat_templates/*.jinja" in calls[-2][2]  # named templates (tool_use), as from_dir reads
+    assert "model.safetensors.index.json" in calls[-2][2] and not any(p.endswith(".safetensors") for p in calls[-2][2])
+    assert calls[-1][2] == ["*.safetensors"]
+    # With an index: exactly the shards it names (a repo's other copies of the weights are not fetched).
+    (snap / "model.safetensors").rename(snap / "w-00001.safetensors")
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w-00001.safetensors"}}))
+    n = len(calls)
+    mf = resolve("org/model")
+    assert set(mf.tensors) == {"a"} and len(calls) == n + 2 and calls[-1][2] == ["w-00001.safetensors"]
+    n = len(calls)
     resolve("org/model", load_format="dummy")
-    assert not any("safetensors" in p for p in calls[-1][2])
+    assert len(calls) == n + 1 and not any(p.endswith(".safetensors") for p in calls[-1][2])
 
 
 def test_text_config():

@@ -37,8 +37,7 @@ _ALIASES = {
 }
 
 _HUB_PATTERNS_META = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "chat_template.jinja", "additional_chat_templates/*.jinja"]
-_HUB_PATTERNS_WEIGHTS = ["*.safetensors", "model.safetensors.index.json"]
+                      "chat_template.jinja", "additional_chat_templates/*.jinja", "model.safetensors.index.json"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -236,19 +235,31 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - it is a dependency
         raise ValueError(f"{repo_id!r} is not a local folder and huggingface_hub is not installed") from e
-    patterns = list(_HUB_PATTERNS_META)
+    def fetch(patterns: list[str]) -> Path:
+        try:
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        except Exception as e:  # repo not found, gated, offline with nothing cached, network errors, bad ids
+            kind = type(e).__name__
+            hint = ""
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            if "LocalEntryNotFound" in kind or "Offline" in kind or offline:
+                hint = " (offline and not in the local cache?)"
+            raise ValueError(f"model {repo_id!r}: not a local folder, and fetching it from the Hugging Face Hub "
+                             f"failed{hint}: {kind}: {e}") from e
+
+    path = fetch(list(_HUB_PATTERNS_META))
     if load_format != "dummy":
-        patterns += _HUB_PATTERNS_WEIGHTS
+        # The weights: the shards the index names, else the repo's safetensors files. (Only what is read: a repo
+        # may also hold other copies of the weights, in subfolders or under other names.)
+        fetch(_weight_files(path / "model.safetensors.index.json"))
+    return path
+
+
+def _weight_files(index: Path) -> list[str]:
     try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-    except Exception as e:  # repo not found, gated, offline with nothing cached, network errors, bad ids
-        kind = type(e).__name__
-        hint = ""
-        if "LocalEntryNotFound" in kind or "Offline" in kind or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
-            hint = " (offline and not in the local cache?)"
-        raise ValueError(f"model {repo_id!r}: not a local folder, and fetching it from the Hugging Face Hub "
-                         f"failed{hint}: {kind}: {e}") from e
-    return Path(path)
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no index, or not one: resolve() says so
+        return ["*.safetensors"]
 
 
 def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str | None = None) -> ModelFiles:
