@@ -300,3 +300,16 @@ def test_auto_dtype_follows_the_stored_tensors(folder, tmp_path, good):
         assert g.weight_dtype == "float32"  # the tensors are F32
         p, ref = good
         assert g.generate(p, max_tokens=6, **GREEDY)[0].token_ids == ref
+
+
+def test_vocab_json_without_tokenizer_json_is_named(folder, tmp_path):
+    """A folder with vocab.json but no tokenizer.json: the error says which file is missing and why."""
+    f = _copy(folder, tmp_path)
+    (f / "tokenizer.json").unlink()
+    (f / "vocab.json").write_text("{}")
+    with qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2)) as g:
+        assert g.tokenizer is None
+        with pytest.raises(ValueError, match="no tokenizer.json.*vocab.json"):
+            g.generate("hello", max_tokens=2)
+        with pytest.raises(ValueError, match="no tokenizer.json"):
+            g.generate([[1, 2]], max_tokens=2, stop=["x"])

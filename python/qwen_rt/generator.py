@@ -7,6 +7,7 @@ import numbers
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Iterable, Iterator
 
 from . import _core
@@ -293,6 +294,11 @@ class Generator:
         self.generation_config = dict(files.generation_config)
         ncfg = native_config(self.config)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(files.root) if files.root else None
+        # Why there is no tokenizer, for the errors that need one.
+        self._no_tokenizer = "this model has no tokenizer"
+        if self.tokenizer is None and files.root and (Path(files.root) / "vocab.json").is_file():
+            self._no_tokenizer = ("this model has no tokenizer.json (vocab.json and merges.txt alone are not read: "
+                                  "transformers' save_pretrained of its tokenizer writes tokenizer.json)")
         wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, ncfg.stored_dtype))
 
         opts = _core.EngineOptions()
@@ -368,13 +374,13 @@ class Generator:
         p = sampling.resolved(self._defaults)
         p.validate(self.vocab_size)
         if p.stop_strings() and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
+            raise ValueError(f"stop strings need a tokenizer ({self._no_tokenizer}): use stop_token_ids")
         return p
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+                raise ValueError(f"{self._no_tokenizer}: pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             bad = next((t for t in prompt if not is_int(t)), None)
@@ -525,7 +531,7 @@ class Generator:
 
     def chat_prompt(self, messages, **template_kwargs) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
+            raise ValueError(f"{self._no_tokenizer}, so no chat template")
         template_kwargs.setdefault("add_generation_prompt", not template_kwargs.get("continue_final_message"))
         text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
         return self.tokenizer.encode(text)
