@@ -257,6 +257,8 @@ def test_numpy_numbers_are_accepted(folder, gen, good):
     assert gen.generate(np.array(p), **kw)[0].token_ids == ref
     assert [c.token_ids for c in gen.generate(np.array([p, p]), **kw)] == [ref, ref]
     assert gen.submit(np.array(p, dtype=np.int32), **kw).result().token_ids == ref
+    with pytest.raises(TypeError, match="one prompt"):
+        gen.submit([np.array(p), np.array(p)], **kw)
     assert list(gen.stream([np.int32(t) for t in p], **kw))[-1].finish_reason == "length"
     with pytest.raises(TypeError, match="bool"):
         gen.generate([np.bool_(True), 3], max_tokens=2)

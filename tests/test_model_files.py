@@ -285,8 +285,8 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     _write_config(snap)
     save_file({"a": np.ones(3, np.float32)}, str(snap / "model.safetensors"))
 
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        calls.append((repo_id, revision, list(allow_patterns)))
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        calls.append((repo_id, revision, list(allow_patterns), ignore_patterns))
         return str(snap)
 
     import huggingface_hub
@@ -298,13 +298,14 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     assert "tokenizer.json" in calls[-2][2] and "config.json" in calls[-2][2]
     assert "additional_chat_templates/*.jinja" in calls[-2][2]  # named templates (tool_use), as from_dir reads
     assert "model.safetensors.index.json" in calls[-2][2] and not any(p.endswith(".safetensors") for p in calls[-2][2])
-    assert calls[-1][2] == ["*.safetensors"]
+    assert calls[-1][2] == ["*.safetensors"] and calls[-1][3] == ["*/*"]  # not subfolders' copies
     # With an index: exactly the shards it names (a repo's other copies of the weights are not fetched).
     (snap / "model.safetensors").rename(snap / "w-00001.safetensors")
     (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w-00001.safetensors"}}))
     n = len(calls)
     mf = resolve("org/model")
     assert set(mf.tensors) == {"a"} and len(calls) == n + 2 and calls[-1][2] == ["w-00001.safetensors"]
+    assert calls[-1][3] is None
     n = len(calls)
     resolve("org/model", load_format="dummy")
     assert len(calls) == n + 1 and not any(p.endswith(".safetensors") for p in calls[-1][2])
@@ -343,7 +344,10 @@ def test_native_config_defaults_and_refusals():
         with pytest.raises(ValueError, match=needle):
             native_config(dict(base, **bad))
     # Windows that never bind: no layer uses one, or it covers the whole context.
+    with pytest.raises(ValueError, match="sliding"):  # transformers' default window (4096) binds at 8192
+        native_config(dict(base, use_sliding_window=True, max_window_layers=0, max_position_embeddings=8192))
     for ok in ({"use_sliding_window": False, "sliding_window": 256},
                {"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 2},
+               {"use_sliding_window": True, "sliding_window": 256},  # max_window_layers' default (28): no layer
                {"use_sliding_window": True, "sliding_window": 4096}):
         native_config(dict(base, **ok))

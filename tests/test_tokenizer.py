@@ -431,7 +431,7 @@ def test_continue_final_message_matches_transformers(tok, tok_dir):
     does, also where the content has whitespace around it; NumPy values in template variables are plain ones."""
     import numpy as np
     hf = _hf(tok_dir)
-    for final in ("The answer is", "  spaced  ", "line\n"):
+    for final in ("The answer is", "  spaced  ", "line\n", "end", "|>", "im_"):  # also text the markup holds
         for msgs in ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": final}],
                      [{"role": "user", "content": final}]):
             ours = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
@@ -440,6 +440,8 @@ def test_continue_final_message_matches_transformers(tok, tok_dir):
             assert ours == ref, (final, msgs)
     with pytest.raises(ValueError, match="exclude"):
         tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, continue_final_message=True)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    assert tok.apply_chat_template(msgs, continue_final_message=True).endswith("Sure,")  # no generation prompt
     msgs = CONVERSATIONS[0]
     assert tok.apply_chat_template(msgs, enable_thinking=np.False_) == tok.apply_chat_template(
         msgs, enable_thinking=False)

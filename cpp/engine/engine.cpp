@@ -370,9 +370,12 @@ void Engine::Impl::loop() {
   } catch (...) {
     error = "engine step failed: an unknown error";
   }
-  // A rank or the device may still wait in a collective: end those waits before anything else.
+  // A rank or the device may still wait in a collective: end those waits before anything else. No rank's job runs
+  // now (on_ranks returns only when all are over); graphs go first, as NCCL's teardown waits for those that
+  // captured its collectives.
   for (auto& rk : ranks) {
     try {
+      if (rk.be) rk.be->drop_graphs();
       if (rk.comm) rk.comm->abort();
     } catch (...) {
     }

@@ -103,12 +103,13 @@ def context_limit(cfg: dict, max_pos: int) -> int:
 def _check_full_attention(cfg: dict, context: int) -> None:
     """Every layer attends to all keys here: a config whose layers use a window shorter than the context is
     refused rather than run differently (official Qwen2/Qwen3 configs set use_sliding_window false)."""
-    window = cfg.get("sliding_window")
+    # Absent keys take transformers' Qwen2/Qwen3 defaults (sliding_window 4096, max_window_layers 28).
+    window = cfg["sliding_window"] if "sliding_window" in cfg else 4096
     if cfg.get("layer_types") is not None:
         sliding = "sliding_attention" in cfg["layer_types"]
     else:  # Qwen2's rule: with use_sliding_window, layers from max_window_layers on use the window
-        first = cfg.get("max_window_layers")
-        sliding = bool(cfg.get("use_sliding_window")) and (first is None or first < cfg.get("num_hidden_layers", 0))
+        first = cfg["max_window_layers"] if cfg.get("max_window_layers") is not None else 28
+        sliding = bool(cfg.get("use_sliding_window")) and first < cfg.get("num_hidden_layers", 0)
     if sliding and window is not None and int(window) < context:
         raise ValueError(f"sliding-window attention (window {window}, use_sliding_window / layer_types) is not "
                          "supported")

@@ -491,7 +491,8 @@ class Generator:
     def submit(self, prompt, sampling: SamplingParams | None = None, **kwargs) -> Request:
         """Queues one prompt and returns its Request at once."""
         prompt = self._as_lists(prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, (str, list, tuple)) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(self._as_lists(t), (str, list, tuple)) for t in prompt):
             raise TypeError("submit takes one prompt: a str or a list of token ids")
         return self._submit_many(prompt, sampling, kwargs)[0]
 
@@ -532,7 +533,6 @@ class Generator:
     def chat_prompt(self, messages, **template_kwargs) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"{self._no_tokenizer}, so no chat template")
-        template_kwargs.setdefault("add_generation_prompt", not template_kwargs.get("continue_final_message"))
         text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
         return self.tokenizer.encode(text)
 

@@ -236,8 +236,10 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
     except ImportError as e:  # pragma: no cover - it is a dependency
         raise ValueError(f"{repo_id!r} is not a local folder and huggingface_hub is not installed") from e
     def fetch(patterns: list[str]) -> Path:
+        # Files in subfolders (other copies of the weights, e.g. original/) are never read: "*" would match them.
         try:
-            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                          ignore_patterns=["*/*"] if "*.safetensors" in patterns else None))
         except Exception as e:  # repo not found, gated, offline with nothing cached, network errors, bad ids
             kind = type(e).__name__
             hint = ""

@@ -49,6 +49,8 @@ def _compile_template(source: str):
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Appended to the message that continue_final_message continues; the prompt is cut where it lands.
+_CONTINUE_MARK = "QWEN_RT_CONTINUE_FROM_HERE "
 
 
 def _plain(v):
@@ -184,14 +186,17 @@ class Tokenizer:
 
     # -- chat template ---------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            **kwargs) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool | None = None,
+                            continue_final_message: bool = False, **kwargs) -> str:
         """Renders messages with the model's chat template, as transformers'
         apply_chat_template(..., tokenize=False) does. kwargs reach the template (tools, documents,
         enable_thinking, ...); a `chat_template` kwarg replaces the model's template. Messages without a
         role, and errors the template raises (raise_exception, undefined fields, sandbox), are ValueError.
+        add_generation_prompt (default: unless continue_final_message) ends the prompt with the assistant's turn.
         continue_final_message: the prompt ends where the last message's content ends (no end-of-turn), so the
         model continues that message; it excludes add_generation_prompt."""
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         tools = kwargs.pop("tools", None)
@@ -210,6 +215,8 @@ class Tokenizer:
         documents = kwargs.pop("documents", None)
         variables = {**self.special_tokens, **_plain(kwargs)}
         messages = _normalize_messages(_plain(list(messages)))
+        if continue_final_message:
+            self._mark_final_message(messages)
         import jinja2
 
         try:
@@ -218,22 +225,32 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt, **variables)
         except (jinja2.TemplateError, TypeError) as e:  # raise_exception(), undefined fields, sandbox, bad types
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
-        return self._cut_at_final_message(text, messages[-1]) if continue_final_message else text
+        return self._cut_at_mark(text) if continue_final_message else text
 
     @staticmethod
-    def _cut_at_final_message(text: str, final: dict) -> str:
-        """text up to the end of the final message's content, as transformers cuts it: at the last place the
-        content (stripped) occurs, keeping its trailing whitespace only where the template kept it."""
-        content = final.get("content")
-        if isinstance(content, (list, tuple)):  # parts: the last text part is what continues
-            texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            content = texts[-1] if texts else None
-        if not isinstance(content, str) or not content.strip() or content.strip() not in text:
-            raise ValueError("continue_final_message: the final message's content does not appear in the "
-                             "rendered prompt")
-        at = text.rindex(content.strip())
-        whole = content.lstrip()
-        return text[:at + (len(whole) if text[at:at + len(whole)] == whole else len(content.strip()))]
+    def _mark_final_message(messages: list[dict]) -> None:
+        """Appends _CONTINUE_MARK to the last message's content (its last text part), in place."""
+        last = messages[-1]
+        content = last.get("content")
+        if isinstance(content, str):
+            last["content"] = content + _CONTINUE_MARK
+            return
+        if isinstance(content, list):
+            for i in range(len(content) - 1, -1, -1):
+                part = content[i]
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    content[i] = {**part, "text": part["text"] + _CONTINUE_MARK}
+                    return
+        raise ValueError("continue_final_message: the last message has no text content to continue")
+
+    @staticmethod
+    def _cut_at_mark(text: str) -> str:
+        """text up to the mark. The mark ends in a space: where the template dropped it, the template strips the
+        content's trailing whitespace, and so does the cut (as transformers does)."""
+        at = text.rfind(_CONTINUE_MARK.rstrip())
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template drops the final message's content")
+        return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 class IncrementalDetokenizer:

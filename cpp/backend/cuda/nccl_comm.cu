@@ -44,7 +44,8 @@ class NcclComm final : public Comm {
   int size() const override { return size_; }
 
   // Called from the engine's thread while this rank's thread may be about to enqueue: the flag goes up before
-  // the communicator goes, so a rank that resumes late finds it down instead of enqueueing on a freed one.
+  // the communicator goes, so a rank that resumes late mostly finds it down. (This narrows the window between
+  // a collective's check and its enqueue; it does not close it.)
   void abort() override {
     std::lock_guard<std::mutex> lk(abort_mu_);
     if (aborted_.exchange(true)) return;
