@@ -256,7 +256,7 @@ class Backend {
   virtual void replay(int graph) { (void)graph; }
   // Destroys every graph (one still running is freed when it completes). Before a communicator is destroyed:
   // NCCL waits for the graphs that captured its collectives.
-  virtual void drop_graphs() {}
+  virtual void drop_graphs() noexcept {}
 
  private:
   SampleResult results_[2];  // the default sample_start's results

@@ -168,7 +168,9 @@ struct Engine::Impl {
   void publish_token(Request& r, const SampleResult& res, int row);
   // The request's end in its channel (under mu).
   void end_channel(const Request& r, Finish f, const std::string& error = "");
-  // end_channel, and the request kept until the step in flight is done (loop thread, or the loop stopped).
+  // A request out of the scheduler, kept until the step in flight is done (loop thread, or the loop stopped).
+  void retire(std::unique_ptr<Request> r);
+  // end_channel, then retire.
   void finish(std::unique_ptr<Request> r, Finish f, const std::string& error = "");
   void fail_all(const std::string& msg) noexcept;
   void update_snapshot();
@@ -310,10 +312,14 @@ void Engine::Impl::end_channel(const Request& r, Finish f, const std::string& er
   o.top_n = r.opts.logprobs;
 }
 
-void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
-  end_channel(*r, f, error);
+void Engine::Impl::retire(std::unique_ptr<Request> r) {
   r->finished = true;
   if (launched) launched->retired.push_back(std::move(r));  // the step in flight may refer to it
+}
+
+void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
+  end_channel(*r, f, error);
+  retire(std::move(r));
 }
 
 void Engine::Impl::fail_all(const std::string& msg) noexcept {
@@ -328,11 +334,7 @@ void Engine::Impl::fail_all(const std::string& msg) noexcept {
       finish(std::move(incoming.front()), Finish::Error, msg);
       incoming.pop_front();
     }
-    for (Request* r : all) {
-      std::unique_ptr<Request> u = sched->remove(r);
-      u->finished = true;
-      if (launched) launched->retired.push_back(std::move(u));
-    }
+    for (Request* r : all) retire(sched->remove(r));
     update_snapshot();
   } catch (...) {  // the engine is failed already; its requests' ends are what matters
   }

@@ -56,8 +56,7 @@ void CudaBackend::cleanup() noexcept {
   cudaSetDevice(dev_);
   if (stream_) cudaStreamSynchronize(stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
-  for (auto g : graphs_) cudaGraphExecDestroy(g);
-  graphs_.clear();
+  drop_graphs();
   for (Scratch* s : {&w_conv_, &x_conv_, &attn_ws_, &sample_in_, &sample_stats_, &sample_x_,
                      &sample_io_[0].dev_out, &sample_io_[1].dev_out}) {
     if (s->p) cudaFree(s->p);
@@ -83,7 +82,7 @@ void CudaBackend::cleanup() noexcept {
   // gemm_ (handle, workspace) is destroyed after this body, on the same device.
 }
 
-void CudaBackend::drop_graphs() {
+void CudaBackend::drop_graphs() noexcept {
   if (cudaSetDevice(dev_) != cudaSuccess) cudaGetLastError();
   for (auto g : graphs_) cudaGraphExecDestroy(g);  // a graph still running is freed when it completes
   graphs_.clear();

@@ -71,7 +71,7 @@ class CudaBackend final : public Backend {
   void begin_capture() override;
   int end_capture() override;
   void replay(int graph) override;
-  void drop_graphs() override;
+  void drop_graphs() noexcept override;
   void abort_capture() noexcept override;
 
  private:
