@@ -235,11 +235,10 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - it is a dependency
         raise ValueError(f"{repo_id!r} is not a local folder and huggingface_hub is not installed") from e
-    def fetch(patterns: list[str]) -> Path:
-        # Files in subfolders (other copies of the weights, e.g. original/) are never read: "*" would match them.
+    def fetch(patterns: list[str], ignore: list[str] | None = None) -> Path:
         try:
             return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
-                                          ignore_patterns=["*/*"] if "*.safetensors" in patterns else None))
+                                          ignore_patterns=ignore))
         except Exception as e:  # repo not found, gated, offline with nothing cached, network errors, bad ids
             kind = type(e).__name__
             hint = ""
@@ -251,17 +250,22 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
 
     path = fetch(list(_HUB_PATTERNS_META))
     if load_format != "dummy":
-        # The weights: the shards the index names, else the repo's safetensors files. (Only what is read: a repo
-        # may also hold other copies of the weights, in subfolders or under other names.)
-        fetch(_weight_files(path / "model.safetensors.index.json"))
+        # The weights: the shards the index names, else the repo's top-level safetensors files. (Only what is
+        # read: a repo may also hold other copies of the weights, under other names or in subfolders such as
+        # original/, which the "*" of the fallback would match.)
+        shards = _weight_files(path / "model.safetensors.index.json")
+        fetch(shards, ignore=["*/*"] if shards == _ALL_SAFETENSORS else None)
     return path
+
+
+_ALL_SAFETENSORS = ["*.safetensors"]
 
 
 def _weight_files(index: Path) -> list[str]:
     try:
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no index, or not one: resolve() says so
-        return ["*.safetensors"]
+        return _ALL_SAFETENSORS
 
 
 def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str | None = None) -> ModelFiles:
