@@ -84,6 +84,22 @@ def test_cli_token_ids(build, capsys, monkeypatch):
         assert "loading weights" not in err, err
 
 
+def test_cli_chat_generates_from_the_template(build, capsys):
+    """--chat wraps the prompt in the model's chat template (as transformers renders it, with the generation
+    prompt): the greedy tokens printed are transformers' on those ids."""
+    folder = build("qwen3_gqa2_tied")
+    r = M.hf_tokenizer(str(folder)).apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                                       add_generation_prompt=True, tokenize=True)
+    ids = list(r if isinstance(r, list) else r["input_ids"])
+    ref = M.hf_greedy(folder, ids, 4)
+    assert cli.main(["generate", "Name a colour.", "--chat", "--model", str(folder), "--device", "cpu",
+                     "--dtype", "float32", "--max-model-len", "128", "--max-tokens", "4", "--temperature", "0",
+                     "--ignore-eos"]) == 0
+    from qwen_rt.tokenizer import Tokenizer
+
+    assert capsys.readouterr().out == Tokenizer.from_dir(folder).decode(ref) + "\n"
+
+
 def test_cli_bad_flags_and_chat_without_tokenizer(build, capsys, monkeypatch):
     """A flag argparse cannot read, or --chat to a folder without tokenizer.json, is one `qwen-rt: error:` line and
     exit code 1, before anything loads."""

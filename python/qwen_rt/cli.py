@@ -141,11 +141,8 @@ def _cmd_generate(args) -> int:
     with Generator(args.model, **gen_kwargs) as gen:
         load_s = time.perf_counter() - t_load
         if args.chat:
-            if gen.tokenizer is None:  # a hub model without one (a local folder is checked before loading)
-                raise ValueError("--chat needs a tokenizer, and this model has none")
             extra = {"enable_thinking": False} if args.no_thinking else {}
-            prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                       add_generation_prompt=True, **extra)
+            prompt = gen.chat_prompt([{"role": "user", "content": prompt}], **extra)
         t0 = time.perf_counter()
         t_first = None
         pieces: list[str] = []
