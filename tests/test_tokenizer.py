@@ -301,6 +301,46 @@ def test_detok_byte_stub_random_streams():
         assert acc == full, ids
 
 
+def test_detok_bytes_that_never_form_utf8_keep_the_window_short():
+    """A stream whose text always ends in U+FFFD (lone continuation bytes) is emitted as it comes, and each push
+    decodes a short window, not the whole stream."""
+    calls, stub = [], _Bytes()
+
+    class Spy:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return stub.decode(ids)
+
+    det = IncrementalDetokenizer(Spy())
+    ids = [10] * 3000  # b"\x80" each
+    out = [det.push([i]) for i in ids]
+    assert len(det.text) >= 3000 - IncrementalDetokenizer.HELD_IDS - 1  # emitted while streaming, not at flush
+    out.append(det.flush())
+    assert "".join(out) == stub.decode(ids)
+    assert max(calls) <= 2 * IncrementalDetokenizer.HELD_IDS + 4
+
+
+@pytest.mark.parametrize("held", [0, 1, 3])
+def test_detok_settling_keeps_the_text_of_a_full_decode(tok, monkeypatch, held):
+    """With the settling threshold at its smallest, random streams (lone bytes, characters split across ids,
+    specials) still emit exactly a full decode's text, each emitted prefix a prefix of it."""
+    monkeypatch.setattr(IncrementalDetokenizer, "HELD_IDS", held)
+    stub, rng = _Bytes(), random.Random(2 + held)
+    for _ in range(1500):
+        ids = [rng.randrange(len(_Bytes.PIECES)) for _ in range(rng.randint(0, 30))]
+        full = stub.decode(ids)
+        det, acc = IncrementalDetokenizer(stub), ""
+        for i in ids:
+            acc += det.push([i])
+            assert full.startswith(acc), (ids, acc)
+        assert acc + det.flush() == full, ids
+    for trial in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 40))]
+        skip = bool(trial % 2)
+        pieces, _ = _stream(tok, ids, [1] * len(ids), skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip), ids
+
+
 def test_stop_string_seen_at_the_token_that_completes_it():
     # The stop "STOP" ends inside token 1, whose bytes also start "é": the stream stops at token 1.
     det, m = IncrementalDetokenizer(_Bytes()), StopMatcher(["STOP"])

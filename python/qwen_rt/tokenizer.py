@@ -263,6 +263,10 @@ class IncrementalDetokenizer:
     is seen at that token) and the rest is held back until it completes, or until flush().
     """
 
+    # Ids held past read_offset (text still ending in U+FFFD) before push looks for a boundary to settle: without
+    # it a stream of bytes that never form UTF-8 would be decoded again whole at every token.
+    HELD_IDS = 16
+
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -286,14 +290,28 @@ class IncrementalDetokenizer:
             return ""  # wait for more ids
         pending = new_text[len(prefix_text):]
         if pending.endswith("\ufffd"):  # incomplete character: emit what precedes it, hold the rest
-            done = pending.rstrip("\ufffd")
-            delta = done[self._partial:]
-            self._partial = max(self._partial, len(done))
+            ready = len(pending.rstrip("\ufffd"))
+            settled = self._settle(prefix_text, new_text) if len(self.ids) - self.read_offset > self.HELD_IDS else 0
+            ready = max(ready, settled)
+            delta = pending[self._partial:ready]
+            self._partial = max(self._partial, ready) - settled
         else:
             delta = pending[self._partial:]
             self._advance()
         self.text += delta
         return delta
+
+    def _settle(self, prefix_text: str, new_text: str) -> int:
+        """Moves read_offset up to the last id when the text before it is final: decoded apart, the two sides give
+        the text decoded together, so no character (nor an invalid byte run) spans the boundary, and the last id
+        has text, so what precedes it is terminated. Returns how many pending characters settled (0: none)."""
+        cut = len(self.ids) - 1
+        head = self._decode(self.ids[self.prefix_offset:cut])
+        tail = self._decode(self.ids[cut:])
+        if not tail or head + tail != new_text or not head.startswith(prefix_text) or len(head) == len(prefix_text):
+            return 0
+        self.prefix_offset, self.read_offset = self.read_offset, cut
+        return len(head) - len(prefix_text)
 
     def _advance(self):
         self.prefix_offset = self.read_offset
