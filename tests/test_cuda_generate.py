@@ -97,6 +97,27 @@ def test_close_returns_device_memory(build):
     assert abs(free0 - free2) < 64 << 20, (free0, free1, free2)
 
 
+@pytest.mark.alone
+def test_sampling_scratch_is_taken_before_the_kv_pool():
+    """Penalties over a full batch need rows x vocab floats of device scratch: the engine takes it before it sizes
+    the KV pool, so a step that first uses penalties allocates nothing (no out-of-memory once the pool is full)."""
+    torch = pytest.importorskip("torch")
+    import qwen_rt
+
+    torch.cuda.init()
+    rows, vocab = 64, 151936  # qwen3-0.6b's vocabulary: the scratch is 39 MB
+    prompts = [[i + 1, i + 2, i + 3] for i in range(rows)]
+    with qwen_rt.Generator("qwen3-0.6b", load_format="dummy", device="cuda", max_batch_size=rows, max_model_len=256,
+                           kv_cache_memory=256 << 20, progress=False) as g:
+        g.generate(prompts, max_tokens=4, **GREEDY)  # graphs and attention scratch of the batch
+        free0, _ = torch.cuda.mem_get_info()
+        outs = g.generate(prompts, max_tokens=4, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
+                          temperature=0.7, seed=1)
+        free1, _ = torch.cuda.mem_get_info()
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert free0 - free1 < rows * vocab * 4 // 2, (free0, free1)
+
+
 def test_bad_device_index(build):
     import qwen_rt
     with pytest.raises(ValueError, match="cuda"):

@@ -245,6 +245,9 @@ class Backend {
     out = results_[finished_++ & 1];
   }
   virtual const int32_t* sampled_tokens() const { return results_[(started_ - 1) & 1].tokens.data(); }
+  // Takes the device scratch that sampling `rows` rows of `vocab` logits may need (penalties, banned tokens)
+  // now: the engine calls it before the KV pool takes what memory is left, so no step allocates it later.
+  virtual void reserve_sampling(int rows, int vocab) { (void)rows, (void)vocab; }
 
   // Graphs (CUDA): ops issued between begin_capture and end_capture are recorded, not run;
   // replay runs them again with the same pointers. Backends without graphs return -1.

@@ -236,6 +236,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     WeightSpec ws{files.get(), opt.seed, wdt};
     rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
   }, kNoLimit);
+  // Rank 0 samples: its scratch for a full batch is taken before the pool is sized.
+  ranks[0].be->reserve_sampling(opt.max_batch_size, cfg.vocab_size);
   // KV pool: the same number of pages on every rank.
   const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), kvdt);
   // Memory free now on the rank with the least (CPU ranks share one memory).

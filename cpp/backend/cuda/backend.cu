@@ -403,6 +403,12 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& row
   sample_finish(out, 1e30);
 }
 
+void CudaBackend::reserve_sampling(int rows, int vocab) {
+  set_device();
+  scratch(sample_x_, size_t(rows) * size_t(vocab) * 4, "sampling scratch");
+  scratch(sample_stats_, std::max<size_t>(sample_stats_bytes(rows, vocab), 16), "sampling scratch");
+}
+
 void CudaBackend::sample_start(const Tensor& logits, const std::vector<SampleRow>& rows) {
   set_device();
   no_capture("sample");

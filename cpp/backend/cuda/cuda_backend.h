@@ -66,6 +66,7 @@ class CudaBackend final : public Backend {
   void sample_start(const Tensor& logits, const std::vector<SampleRow>& rows) override;
   void sample_finish(SampleResult& out, double timeout_s) override;
   const int32_t* sampled_tokens() const override { return sampled_; }
+  void reserve_sampling(int rows, int vocab) override;
 
   bool supports_graphs() const override { return true; }
   void begin_capture() override;
