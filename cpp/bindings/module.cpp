@@ -36,8 +36,7 @@ NB_MODULE(_core, m) {
       .def_rw("max_position_embeddings", &ModelConfig::max_position_embeddings)
       .def_rw("rope_inv_freq", &ModelConfig::rope_inv_freq)
       .def_rw("rope_attention_factor", &ModelConfig::rope_attention_factor)
-      .def_rw("weight_prefix", &ModelConfig::weight_prefix)
-      .def_rw("stored_dtype", &ModelConfig::stored_dtype);
+      .def_rw("weight_prefix", &ModelConfig::weight_prefix);
 
   nb::class_<TensorSource>(m, "TensorSource")
       .def(nb::init<>())

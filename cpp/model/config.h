@@ -25,7 +25,6 @@ struct ModelConfig {
   std::vector<float> rope_inv_freq;  // rot_dim / 2 values
   float rope_attention_factor = 1.0f;
   std::string weight_prefix = "model.";  // tensors are <prefix>layers.N..., lm_head.weight at top level
-  std::string stored_dtype = "bfloat16";  // torch_dtype of the checkpoint (for dtype "auto")
 
   int rot_dim() const { return int(rope_inv_freq.size()) * 2; }
   int q_size() const { return num_q_heads * head_dim; }

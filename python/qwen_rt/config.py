@@ -85,7 +85,8 @@ def rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
     return out.astype(np.float32), float(attention_factor)
 
 
-def stored_dtype(cfg: dict) -> str:
+def config_dtype(cfg: dict) -> str:
+    """The weight dtype config.json names (bfloat16 when it names none or another)."""
     d = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return d if d in FLOAT_DTYPES else "bfloat16"
 
@@ -149,5 +150,4 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     c.rope_inv_freq = [float(x) for x in inv]
     c.rope_attention_factor = af
     c.weight_prefix = "model."
-    c.stored_dtype = stored_dtype(cfg)
     return c

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from . import _core
-from .config import FLOAT_DTYPES, native_config
+from .config import FLOAT_DTYPES, native_config, config_dtype
 from .model_files import resolve, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
@@ -299,7 +299,7 @@ class Generator:
         if self.tokenizer is None and files.root and (Path(files.root) / "vocab.json").is_file():
             self._no_tokenizer = ("this model has no tokenizer.json (vocab.json and merges.txt alone are not read: "
                                   "transformers' save_pretrained of its tokenizer writes tokenizer.json)")
-        wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, ncfg.stored_dtype))
+        wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, config_dtype(self.config)))
 
         opts = _core.EngineOptions()
         opts.device = dev
