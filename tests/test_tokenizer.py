@@ -288,17 +288,22 @@ def test_detok_emits_complete_characters_before_an_incomplete_one():
     assert det.flush() == "\ufffd\ufffd" and det.text == _Bytes().decode([1, 7])
 
 
-def test_detok_byte_stub_random_streams():
-    stub, rng = _Bytes(), random.Random(1)
-    for _ in range(2000):
-        ids = [rng.randrange(len(_Bytes.PIECES)) for _ in range(rng.randint(0, 12))]
+def _byte_stub_streams(rng, trials, max_len):
+    """Random id streams of _Bytes pushed one id at a time: each emitted prefix is a prefix of the full decode,
+    and everything emitted is the full decode."""
+    stub = _Bytes()
+    for _ in range(trials):
+        ids = [rng.randrange(len(_Bytes.PIECES)) for _ in range(rng.randint(0, max_len))]
         full = stub.decode(ids)
         det, acc = IncrementalDetokenizer(stub), ""
         for i in ids:
             acc += det.push([i])
             assert full.startswith(acc), (ids, acc)
-        acc += det.flush()
-        assert acc == full, ids
+        assert acc + det.flush() == full, ids
+
+
+def test_detok_byte_stub_random_streams():
+    _byte_stub_streams(random.Random(1), 2000, 12)
 
 
 def test_detok_bytes_that_never_form_utf8_keep_the_window_short():
@@ -325,15 +330,8 @@ def test_detok_settling_keeps_the_text_of_a_full_decode(tok, monkeypatch, held):
     """With the settling threshold at its smallest, random streams (lone bytes, characters split across ids,
     specials) still emit exactly a full decode's text, each emitted prefix a prefix of it."""
     monkeypatch.setattr(IncrementalDetokenizer, "HELD_IDS", held)
-    stub, rng = _Bytes(), random.Random(2 + held)
-    for _ in range(1500):
-        ids = [rng.randrange(len(_Bytes.PIECES)) for _ in range(rng.randint(0, 30))]
-        full = stub.decode(ids)
-        det, acc = IncrementalDetokenizer(stub), ""
-        for i in ids:
-            acc += det.push([i])
-            assert full.startswith(acc), (ids, acc)
-        assert acc + det.flush() == full, ids
+    rng = random.Random(2 + held)
+    _byte_stub_streams(rng, 1500, 30)
     for trial in range(200):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 40))]
         skip = bool(trial % 2)
