@@ -354,6 +354,70 @@ def test_cancel_keeps_text_and_logprobs_with_the_tokens(build, fresh_gen, idle):
     assert len(c.logprobs) == 8 and c.text == gen.tokenizer.decode(ref)
 
 
+def test_stream_deltas_add_up_when_cancelled_mid_stream(build, fresh_gen, idle):
+    """A stream cancelled inside its own loop, or by another thread while it waits, still yields what cancel()
+    took from the engine: its deltas add up to the request's tokens and text, the last one has the finish reason."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=512)
+    (p,) = M.pick_prompts(folder, seed=421, lengths=[10], max_new=4)
+
+    def check(r, deltas):
+        assert deltas[-1].finish_reason == r.finish_reason and r.finish_reason in ("cancelled", "length")
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert [t for d in deltas for t in d.token_ids] == r.token_ids
+        assert "".join(d.text for d in deltas) == r.text
+
+    took = 0
+    for pause in (0.0, 0.005, 0.02):
+        r = gen.submit(p, max_tokens=480, **GREEDY)
+        deltas = []
+        for d in r:  # the cancel inside the loop takes output this loop has not seen
+            deltas.append(d)
+            if len(deltas) == 1:
+                time.sleep(pause)
+                n = len(r.token_ids)
+                r.cancel()
+                took += len(r.token_ids) > n
+        check(r, deltas)
+    assert took, "no cancel found output waiting: the case is not tested"
+    for _ in range(3):  # cancelled by another thread while the stream waits
+        r = gen.submit(p, max_tokens=480, **GREEDY)
+        deltas, first = [], threading.Event()
+
+        def consume():
+            for d in r:
+                deltas.append(d)
+                first.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first.wait(30)
+        r.cancel()
+        t.join(30)
+        assert not t.is_alive()
+        check(r, deltas)
+    idle(gen)
+
+
+def test_completion_logprobs_are_its_own(build, fresh_gen, idle):
+    """A Completion's logprobs are a copy: one taken mid-stream keeps matching its token_ids, and changing one
+    result() leaves the next alone."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=512)
+    r = gen.submit([5, 6, 7], max_tokens=400, logprobs=1, **GREEDY)
+    it = iter(r)
+    while not r.token_ids:
+        next(it)
+    snap = r.completion()
+    for _ in it:
+        pass
+    assert len(snap.logprobs) == len(snap.token_ids) < 400
+    c = r.result()
+    c.logprobs.clear()
+    assert len(r.result().logprobs) == len(r.result().token_ids) == 400
+    idle(gen)
+
+
 def test_dropped_request_stops_and_leaves_nothing_behind(build, fresh_gen, idle):
     """A Request dropped unfinished (neither result() nor cancel()) is stopped, its slot and pages are freed, and
     the engine keeps none of its output (wait on its id is refused); others are unaffected."""

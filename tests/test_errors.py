@@ -48,6 +48,7 @@ BAD_REQUESTS = [
     ("empty-str", lambda v: "", {}, ValueError, r"(?i)empty|prompt"),
     ("empty-ids", lambda v: [], {}, ValueError, r"(?i)empty|prompt"),
     ("empty-in-list", lambda v: [[5, 6], []], {}, ValueError, r"(?i)empty|prompt"),
+    ("id-none", lambda v: [5, None], {}, TypeError, r"list of int, and holds a NoneType"),
     ("id-negative", lambda v: [5, -1, 6], {}, ValueError, r"(?i)vocab|token id|range|-1"),
     ("id-vocab", lambda v: [5, v], {}, ValueError, r"(?i)vocab|token id|range"),
     ("id-vocab-in-batch", lambda v: [[5, 6], [7, v + 100]], {}, ValueError,
@@ -281,6 +282,8 @@ def test_default_max_model_len_is_capped_by_the_kv_cache(folder, good):
         assert g.max_model_len == 200
         with pytest.raises(ValueError, match="KV cache"):
             g.generate(p, max_tokens=100, **GREEDY)
+        (c,) = g.generate(p, **GREEDY)  # no max_tokens: it runs to the pool's end, as above
+        assert c.finish_reason == "length" and len(p) + len(c.token_ids) == 65
 
 
 def test_stream_checks_its_input_when_called(gen, good):

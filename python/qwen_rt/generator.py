@@ -108,27 +108,23 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _poll(self, timeout: float, until_finished: bool = False) -> Delta | None:
-        """Fetches what the engine produced; returns a Delta, or None if nothing came within timeout.
+    def _poll(self, timeout: float, until_finished: bool = False) -> None:
+        """Takes what the engine produced within timeout into the request.
         until_finished: wait for the end of the request rather than for each token."""
         with self._lock:
-            return self._poll_locked(timeout, until_finished)
+            if not self.finished:
+                self._take(self._gen._engine_call("wait", self._rid, timeout, until_finished))
 
-    def _poll_locked(self, timeout: float, until_finished: bool) -> Delta | None:
-        if self.finished:
-            return None
-        return self._take(self._gen._engine_call("wait", self._rid, timeout, until_finished))
-
-    def _take(self, out) -> Delta | None:
+    def _take(self, out) -> None:
         """Adds one engine output (tokens, logprobs, maybe the end) to the request: token_ids, text and logprobs
-        always grow together. Returns the Delta, or None for an empty output. Call with the lock held."""
+        always grow together. Call with the lock held."""
         if out.error:
             self.finish_reason = "error"
             raise RuntimeError(out.error)
         tokens = list(out.tokens)
         reason = out.finish_reason
         if not tokens and reason is None:
-            return None
+            return
         if self.logprobs is not None:
             n = out.top_n
             for i, t in enumerate(tokens):
@@ -167,7 +163,6 @@ class Request:
         elif stopped:
             reason = "stop"
         self.finish_reason = reason
-        return Delta(text=text, token_ids=tokens, finish_reason=reason)
 
     def _drain(self):
         while True:
@@ -176,11 +171,22 @@ class Request:
                 return
 
     def __iter__(self) -> Iterator[Delta]:
+        """Deltas of what the request holds beyond what this iterator yielded, whoever took it from the engine
+        (this loop, or a cancel() from another thread): the deltas add up to the Completion, the last one carries
+        the finish reason."""
+        tokens_sent = text_sent = 0
         try:
-            while not self.finished:
-                d = self._poll(_POLL_S)
-                if d is not None and (d.token_ids or d.text or d.finish_reason):
-                    yield d
+            while True:
+                if not self.finished:
+                    self._poll(_POLL_S)
+                with self._lock:
+                    tokens, text, reason = self.token_ids[tokens_sent:], self.text[text_sent:], self.finish_reason
+                tokens_sent += len(tokens)
+                text_sent += len(text)
+                if tokens or text or reason is not None:
+                    yield Delta(text=text, token_ids=tokens, finish_reason=reason)
+                if reason is not None:
+                    return
         finally:
             if not self.finished:
                 self.cancel()
@@ -193,8 +199,10 @@ class Request:
         return self.completion()
 
     def completion(self) -> Completion:
-        return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "",
-                          prompt_token_ids=list(self.prompt_token_ids), logprobs=self.logprobs)
+        with self._lock:
+            return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "",
+                              prompt_token_ids=list(self.prompt_token_ids),
+                              logprobs=None if self.logprobs is None else [dict(d) for d in self.logprobs])
 
     def cancel(self) -> None:
         """Stops the request; what it produced until then stays in token_ids, text and logprobs. A request that
@@ -331,7 +339,11 @@ class Generator:
         self.dtype = adt
         self.weight_dtype = wdt
         self.vocab_size = ncfg.vocab_size
-        self.max_model_len = self._engine.stats()["max_model_len"]
+        st = self._engine.stats()
+        self.max_model_len = st["max_model_len"]
+        # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds
+        # every token of a request but its last). An unset max_tokens stops there.
+        self._longest = min(self.max_model_len, st["total_pages"] * st["page_size"] + 1)
         self._defaults = self._sampling_defaults()
         self._eos = self._eos_ids()
 
@@ -383,9 +395,9 @@ class Generator:
                 raise ValueError(f"{self._no_tokenizer}: pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            bad = next((t for t in prompt if not is_int(t)), None)
-            if bad is not None:
-                raise TypeError(f"a token-id prompt must be a list of int, and holds a {type(bad).__name__}")
+            bad = [t for t in prompt if not is_int(t)][:1]
+            if bad:
+                raise TypeError(f"a token-id prompt must be a list of int, and holds a {type(bad[0]).__name__}")
             ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
@@ -459,16 +471,16 @@ class Generator:
             params = [self._params(sampling, kwargs)] * len(ids_list)
             natives = [self._native_sampling(params[0])] * len(ids_list)
         # A max_tokens the caller did not set (the default, or generation_config's) stops at the room the
-        # prompt leaves in max_model_len; one the caller set must fit (_check_length).
+        # prompt leaves (in max_model_len and the KV pool); one the caller set must fit (_check_length).
         set_by_caller = [self._sets_max_tokens(x, kwargs) for x in sampling] if isinstance(sampling, (list, tuple)) \
             else [self._sets_max_tokens(sampling, kwargs)] * len(ids_list)
         for i, ids in enumerate(ids_list):
-            room = self.max_model_len - len(ids)
+            room = self._longest - len(ids)
             if not set_by_caller[i] and 1 <= room < params[i].max_tokens:
                 params[i] = dataclasses.replace(params[i], max_tokens=room)
                 if params[i].min_tokens > room:
                     raise ValueError(f"min_tokens ({params[i].min_tokens}) exceeds the {room} tokens the prompt "
-                                     f"leaves in max_model_len {self.max_model_len}")
+                                     f"leaves in max_model_len {self.max_model_len} and the KV cache")
                 natives[i] = self._native_sampling(params[i])
             self._check_length(ids, params[i])
         reqs: list[Request] = []
