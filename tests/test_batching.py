@@ -418,6 +418,42 @@ def test_completion_logprobs_are_its_own(build, fresh_gen, idle):
     idle(gen)
 
 
+def test_close_from_several_threads_at_once(build, fresh_gen):
+    """close() is safe to call from several threads together: each returns once the engine is freed. Requests it
+    closes under end as cancelled with what they produced, whether read by result() or by a generate()."""
+    folder = build("qwen3_gqa2_tied")
+    gen = fresh_gen(folder, max_batch_size=4, max_model_len=512)
+    r = gen.submit([5, 6, 7], max_tokens=400, **GREEDY)
+    got = []  # a generate() with stop strings (read by wait_any) running while the Generator closes
+    gen_thread = threading.Thread(target=lambda: got.extend(
+        gen.generate([[5, 6], [7, 8]], max_tokens=400, stop=["never in this text"], **GREEDY)))
+    gen_thread.start()
+    while gen.stats()["running"] < 3:
+        time.sleep(0.001)
+    errors, go = [], threading.Barrier(4)
+
+    def close():
+        go.wait()
+        try:
+            gen.close()
+            assert gen._engine is None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=close) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    gen_thread.join(60)
+    assert [c.finish_reason for c in got] == ["cancelled", "cancelled"]
+    assert r.result().finish_reason == "cancelled" and len(r.token_ids) < 400  # output not taken before is gone
+    assert r.text == gen.tokenizer.decode(r.token_ids)
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.stats()
+
+
 def test_dropped_request_stops_and_leaves_nothing_behind(build, fresh_gen, idle):
     """A Request dropped unfinished (neither result() nor cancel()) is stopped, its slot and pages are freed, and
     the engine keeps none of its output (wait on its id is refused); others are unaffected."""

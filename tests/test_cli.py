@@ -100,6 +100,20 @@ def test_cli_chat_generates_from_the_template(build, capsys):
     assert capsys.readouterr().out == Tokenizer.from_dir(folder).decode(ref) + "\n"
 
 
+def test_cli_runtime_failure_is_one_line(build, capsys, monkeypatch):
+    """What the runtime cannot do (out of memory while starting) is one `qwen-rt: error:` line, not a traceback."""
+    import qwen_rt
+
+    def no_memory(*a, **k):
+        raise RuntimeError("cpu: out of memory")
+
+    monkeypatch.setattr(qwen_rt, "Generator", no_memory)
+    folder = build("qwen3_gqa2_tied")
+    assert cli.main(["generate", "hi", "--model", str(folder), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "qwen-rt: error: cpu: out of memory", err
+
+
 def test_cli_bad_flags_and_chat_without_tokenizer(build, capsys, monkeypatch):
     """A flag argparse cannot read, or --chat to a folder without tokenizer.json, is one `qwen-rt: error:` line and
     exit code 1, before anything loads."""

@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         return args.func(args)
-    except (ValueError, TypeError) as e:  # bad input, named by the library
+    except (ValueError, TypeError, RuntimeError, MemoryError) as e:  # bad input, or what the runtime could not do
         print(f"qwen-rt: error: {e}", file=sys.stderr)
         return 1
 

@@ -112,8 +112,16 @@ class Request:
         """Takes what the engine produced within timeout into the request.
         until_finished: wait for the end of the request rather than for each token."""
         with self._lock:
-            if not self.finished:
-                self._take(self._gen._engine_call("wait", self._rid, timeout, until_finished))
+            if self.finished:
+                return
+            try:
+                out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
+            except RuntimeError:
+                if self._gen._engine is not None:
+                    raise
+                self._end_cancelled()  # the Generator was closed under it: it ends with what it produced
+                return
+            self._take(out)
 
     def _take(self, out) -> None:
         """Adds one engine output (tokens, logprobs, maybe the end) to the request: token_ids, text and logprobs
@@ -219,9 +227,13 @@ class Request:
                     self._take(self._gen._engine_call("wait", self._rid, _POLL_S))
             except (ValueError, RuntimeError):  # an error end, a closed Generator, or the id taken by another wait
                 pass
-            if self.finish_reason in (None, "error"):  # ended without its last output: what is held back is text
-                self.text += self._held_text()[0]
-                self.finish_reason = "cancelled"
+            if self.finish_reason in (None, "error"):  # ended without its last output
+                self._end_cancelled()
+
+    def _end_cancelled(self) -> None:
+        """Ends the request as cancelled; the text the detokenizer and stop matcher hold back is added."""
+        self.text += self._held_text()[0]
+        self.finish_reason = "cancelled"
 
     def _held_text(self, armed: bool = True) -> tuple[str, bool]:
         """At the end: the text of taken tokens that the detokenizer and the stop matcher still hold (cut at a stop
@@ -257,6 +269,7 @@ class Generator:
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, progress: bool = True):
         self._engine = None
+        self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
         # Defaults by device: a GPU serves many sequences per step, a CPU few.
         if max_batch_size is None:
@@ -526,7 +539,13 @@ class Generator:
         request would run on to max_tokens while the earlier ones finish)."""
         watched = [r for r in reqs if r._stop is not None]
         while watched:
-            if self._engine_call("wait_any", [r._rid for r in watched], _POLL_S) >= 0:
+            try:
+                ready = self._engine_call("wait_any", [r._rid for r in watched], _POLL_S) >= 0
+            except RuntimeError:
+                if self._engine is not None:
+                    raise
+                ready = True  # closed: each poll ends its request as cancelled
+            if ready:
                 for r in watched:
                     r._poll(0.0)
             watched = [r for r in watched if not r.finished]
@@ -581,9 +600,10 @@ class Generator:
 
     def close(self) -> None:
         """Stops the engine and frees every byte it took (idempotent)."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        with self._close_lock:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
 
     def __enter__(self) -> "Generator":
         return self
