@@ -134,3 +134,24 @@ def test_tp_comm_timeout_without_limit(build):
                                kv_cache_memory=1 << 20, comm_timeout=bound) as g:
             (c,) = g.generate([[1, 2, 3, 4]], max_tokens=8, **GREEDY)
             assert len(c.token_ids) == 8 and c.finish_reason == "length"
+
+
+def test_weight_files_unmapped_once_loaded(build, fresh_gen):
+    """Four ranks load their shards from one set of mapped files at once: each file is mapped once, and unmapped
+    as soon as loading ends (the weights live in the backend's memory), not left behind or kept until close."""
+    import os
+
+    folder = build("qwen3_mha_untied")
+    shards = [str(p.resolve()) for p in folder.glob("*.safetensors")]
+    assert shards
+
+    def mapped():
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(any(line.rstrip().endswith(s) for s in shards) for line in f)
+
+    before = mapped()
+    for _ in range(3):
+        g = fresh_gen(folder, tensor_parallel_size=4, max_batch_size=2)
+        assert mapped() == before
+        (c,) = g.generate([[1, 2, 3]], max_tokens=4, **GREEDY)
+        assert len(c.token_ids) == 4

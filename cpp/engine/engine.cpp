@@ -97,7 +97,6 @@ bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.beg
 struct Engine::Impl {
   ModelConfig cfg;
   EngineOptions opt;
-  std::unique_ptr<WeightFiles> files;
   std::vector<Rank> ranks;
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
@@ -200,6 +199,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   "tensor_parallel_size ", n, " needs ", opt.device_index + n, " devices, ", count, " present");
   }
   const DType wdt = parse_dtype(opt.weight_dtype), adt = parse_dtype(opt.act_dtype);
+  // Mapped while the ranks load their shards (every upload copies out of them), unmapped when build returns.
+  std::unique_ptr<WeightFiles> files;
   if (!opt.dummy_weights) files = std::make_unique<WeightFiles>(tensors);
 
   ranks.resize(n);
@@ -665,7 +666,6 @@ void Engine::close() {
   }
   m.workers.clear();
   m.ranks.clear();
-  m.files.reset();
 }
 
 }  // namespace qrt

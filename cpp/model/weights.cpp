@@ -28,12 +28,16 @@ const TensorSource& WeightFiles::find(const std::string& name) const {
 }
 
 const char* WeightFiles::data_of(const TensorSource& t) {
+  std::lock_guard<std::mutex> lock(maps_mu_);  // the ranks load their shards at once
   auto it = maps_.find(t.path);
   if (it == maps_.end()) {
     const int fd = open(t.path.c_str(), O_RDONLY);
     QRT_CHECK_ARG(fd >= 0, "cannot open weight file ", t.path);
     struct stat st;
-    fstat(fd, &st);
+    if (fstat(fd, &st) != 0) {
+      close(fd);
+      QRT_CHECK_ARG(false, "cannot read the size of weight file ", t.path);
+    }
     void* base = mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
     QRT_CHECK(base != MAP_FAILED, "cannot map weight file ", t.path);

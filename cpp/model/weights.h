@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,9 @@ class WeightFiles {
 
  private:
   struct Mapping { void* base = nullptr; size_t size = 0; };
-  const char* data_of(const TensorSource& t);
+  const char* data_of(const TensorSource& t);  // maps t's file on first use; safe from every rank's thread
   std::map<std::string, TensorSource> index_;
+  std::mutex maps_mu_;
   std::map<std::string, Mapping> maps_;
 };
 
