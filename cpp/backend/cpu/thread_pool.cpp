@@ -75,7 +75,12 @@ void ThreadPool::work(int t) {
     }
     seen = e;
     if (stop_.load()) return;
-    (*job_)(t, size());
+    try {
+      (*job_)(t, size());
+    } catch (...) {  // (out of memory in a row's buffers) handed to the caller, not std::terminate
+      std::lock_guard<std::mutex> lk(err_mu_);
+      if (!worker_err_) worker_err_ = std::current_exception();
+    }
     busy_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
@@ -101,6 +106,11 @@ void ThreadPool::run(bool parallel, const std::function<void(int, int)>& fn) {
   for (int i = 1; busy_.load(std::memory_order_acquire) != 0; ++i) {
     relax();
     if (i % 1024 == 0) std::this_thread::yield();  // a worker may be waiting for a core
+  }
+  {
+    std::lock_guard<std::mutex> lk(err_mu_);
+    if (!err) err = worker_err_;
+    worker_err_ = nullptr;
   }
   if (err) std::rethrow_exception(err);
 }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -31,8 +32,8 @@ class ThreadPool {
   int size() const { return int(workers_.size()) + 1; }
 
   // fn(t, T) for t = 0 .. T - 1 with T = size() when parallel (t = 0 on the calling thread), else fn(0, 1)
-  // alone. Returns when every call has returned. One caller at a time; fn must not throw (as in an OpenMP
-  // region) except on the calling thread.
+  // alone. Returns when every call has returned, then rethrows the first exception one threw (the calling
+  // thread's first). One caller at a time.
   void run(bool parallel, const std::function<void(int, int)>& fn);
 
   // body(i) for i in [0, n): thread t takes the t-th of size() contiguous ranges (OpenMP's static schedule).
@@ -71,6 +72,8 @@ class ThreadPool {
   std::atomic<int> busy_{0};        // workers still in the current job
   std::atomic<bool> stop_{false};
   const std::function<void(int, int)>* job_ = nullptr;
+  std::mutex err_mu_;
+  std::exception_ptr worker_err_;  // the first exception a worker's call threw in the current job
 };
 
 }  // namespace qrt::cpu
