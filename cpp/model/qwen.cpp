@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/random.h"
 #include "core/error.h"
@@ -193,6 +195,19 @@ int QwenModel::graph_bucket(int n, int max_n) {
   return -1;
 }
 
+// Page-table columns of a graph-replayed step of n columns: a power of two from 16, at most max_n. Short
+// contexts neither upload nor plan attention splits for every page of max_model_len, and a context growing
+// by one page does not need a new graph. (QWEN_RT_GRAPH_PAGES=all: always max_n, for comparison.)
+int QwenModel::graph_pages(int n, int max_n) {
+  static const bool all = [] {
+    const char* e = std::getenv("QWEN_RT_GRAPH_PAGES");
+    return e && std::strcmp(e, "all") == 0;
+  }();
+  int p = 16;
+  while (p < n && p < max_n) p *= 2;
+  return all ? max_n : std::min(p, max_n);
+}
+
 AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, int rows, int max_pages,
                                   int max_ctx) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
@@ -253,10 +268,11 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sample
   const bool decode = s.max_q_len == 1 && T == S && R == S;
   const int bucket = graph_bucket(S, std::min(lim_.max_seqs, lim_.max_tokens));
   if (lim_.graphs && be_.supports_graphs() && decode && bucket >= S) {
-    // Fixed shapes for the graph: padded rows, every page column, the longest context.
-    const int max_ctx = lim_.max_pages_per_seq * kv.page_size();
-    AttnBatch b = upload_meta(s, sampled, kv, bucket, lim_.max_pages_per_seq, max_ctx);
-    auto it = graphs_.find(bucket);
+    // Fixed shapes for the graph: padded rows, and page-table columns whose pages bound every context.
+    const int pages = graph_pages(s.max_pages, lim_.max_pages_per_seq);
+    AttnBatch b = upload_meta(s, sampled, kv, bucket, pages, pages * kv.page_size());
+    const std::pair<int, int> key{bucket, pages};
+    auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       be_.begin_capture();
       try {
@@ -265,7 +281,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sample
         be_.abort_capture();  // leave the stream usable; the step fails with the body's error
         throw;
       }
-      it = graphs_.emplace(bucket, be_.end_capture()).first;
+      it = graphs_.emplace(key, be_.end_capture()).first;
     }
     be_.replay(it->second);
     return logits_view(R);

@@ -1,6 +1,7 @@
 // The Qwen2/Qwen3 dense forward pass over a ragged batch, for one tensor-parallel rank.
 #pragma once
 #include <map>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -70,6 +71,7 @@ class QwenModel {
                         int max_ctx);
   void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv);
   static int graph_bucket(int n, int max_n);
+  static int graph_pages(int n, int max_n);
 
   ModelConfig cfg_;
   Backend& be_;
@@ -89,7 +91,7 @@ class QwenModel {
   std::vector<Layer> layers_;
   Tensor rope_table_;
   RopeTable rope_;
-  std::map<int, int> graphs_;  // decode batch bucket -> captured graph
+  std::map<std::pair<int, int>, int> graphs_;  // (decode batch bucket, page-table columns) -> captured graph
   const int32_t* d_tokens_ = nullptr;
   const int32_t* d_positions_ = nullptr;
   const int32_t* d_logit_rows_ = nullptr;

@@ -123,9 +123,14 @@ def decode_step(g, prompts, new_tokens: int, **sampling) -> tuple[float, float]:
     return (tn - t1) / (new_tokens - 1), tn
 
 
-def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: dict, rng) -> list[dict]:
+def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: dict, rng,
+                 max_model_len: int | None = None) -> list[dict]:
+    """max_model_len: the Generator's (None: the prompt and new tokens plus 16; 0: its default, the model's
+    whole context)."""
     rows = []
-    g = _gen(model, max_batch_size=max(batches), max_model_len=prompt_len + new_tokens + 16,
+    if max_model_len is None:
+        max_model_len = prompt_len + new_tokens + 16
+    g = _gen(model, max_batch_size=max(batches), max_model_len=max_model_len or None,
              max_num_batched_tokens=max(2048, prompt_len * max(batches) if prompt_len * max(batches) <= 16384 else 16384))
     cfg = g.config
     try:
@@ -290,6 +295,8 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-batches", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--decode-max-model-len", type=int, default=None,
+                   help="the decode Generators' max_model_len (default: prompt + new tokens + 16; 0: the model's)")
     p.add_argument("--offline-model", default="qwen3-8b")
     p.add_argument("--offline-random", type=int, default=1000)
     p.add_argument("--prefill-model", default="qwen3-8b")
@@ -319,7 +326,8 @@ def run(args) -> int:
     if "decode" in parts:
         rec["decode"] = []
         for m in args.models.split(","):
-            rec["decode"] += bench_decode(m, batches, args.prompt_len, args.new_tokens, limits, rng)
+            rec["decode"] += bench_decode(m, batches, args.prompt_len, args.new_tokens, limits, rng,
+                                          args.decode_max_model_len)
         print_table(rec["decode"])
     if "hf" in parts:
         rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng, args.hf_caches.split(","))
