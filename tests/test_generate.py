@@ -38,6 +38,29 @@ def test_greedy_matches_transformers(build, make_gen, name):
         assert not msg, msg
 
 
+def test_checkpoints_transformers_reads_its_own_way(build, tmp_path):
+    """Two checkpoint shapes transformers 5 reads in a particular way, and so do we: a rope_scaling block added
+    beside a saved rope_parameters replaces it (yarn on, with the top-level rope_theta), and tied embeddings with
+    a stored lm_head unlike the embedding use that lm_head. Greedy tokens equal transformers'."""
+    import torch
+
+    yarn = M.copy_folder(build("qwen3_gqa2_tied"), tmp_path / "yarn")
+    M.edit_json(yarn / "config.json", lambda c: c.update(
+        rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
+    head = M.copy_folder(build("qwen2_bias_gqa2_tied"), tmp_path / "head")
+    state = M.load_state(head)
+    emb = state["model.embed_tokens.weight"]
+    state["lm_head.weight"] = torch.randn(emb.shape, generator=torch.Generator().manual_seed(5)) * emb.std()
+    M.save_state(head, state)
+    for folder in (yarn, head):
+        prompts = M.pick_prompts(folder, seed=14, lengths=[5, 90], max_new=8)
+        with qwen_rt.Generator(str(folder), **M.base_kwargs(folder)) as gen:
+            for p in prompts:
+                (c,) = gen.generate([p], max_tokens=8, **GREEDY)
+                msg = M.greedy_mismatch(folder, p, c.token_ids, 8)
+                assert not msg, (folder.name, msg)
+
+
 @pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen3_yarn", "qwen2_bias_gqa2_tied"])
 def test_chunked_prefill(build, make_gen, name):
     """Prompts longer than max_num_batched_tokens are prefilled in chunks (16-token budget)."""

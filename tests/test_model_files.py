@@ -126,6 +126,14 @@ def test_missing_shard(tmp_path):
         resolve(tmp_path)
 
 
+def test_index_with_a_file_name_that_is_not_a_string(tmp_path):
+    _write_config(tmp_path)
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "w-1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 5}}))
+    with pytest.raises(ValueError, match="corrupt index"):
+        resolve(tmp_path)
+
+
 def test_index_names_tensor_not_in_shard(tmp_path):
     _write_config(tmp_path)
     save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
@@ -153,7 +161,7 @@ def test_duplicate_tensor_across_files(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate_data", "truncate_header", "tiny", "bad_json", "huge_len",
-                                    "wrong_nbytes"])
+                                    "wrong_nbytes", "shape_str", "shape_float", "offsets_inf", "offsets_huge"])
 def test_corrupt_file(tmp_path, damage):
     _write_config(tmp_path)
     p = tmp_path / "model.safetensors"
@@ -170,9 +178,19 @@ def test_corrupt_file(tmp_path, damage):
         raw = raw[:8] + b"{" * n + raw[8 + n:]
     elif damage == "huge_len":
         raw = struct.pack("<Q", 1 << 40) + raw[8:]
-    elif damage == "wrong_nbytes":
+    else:  # a header whose values are not what the format allows (JSON numbers that are not integers, strings)
         header = json.loads(raw[8:8 + n])
-        header["a"]["shape"] = [65]
+        a = header["a"]
+        if damage == "wrong_nbytes":
+            a["shape"] = [65]
+        elif damage == "shape_str":
+            a["shape"] = "64"
+        elif damage == "shape_float":
+            a["shape"] = [64.0]
+        elif damage == "offsets_inf":
+            a["data_offsets"] = [0, float("inf")]
+        else:
+            a["data_offsets"] = [0, 1e400]
         h = json.dumps(header).encode()
         h += b" " * (-len(h) % 8)
         raw = struct.pack("<Q", len(h)) + h + raw[8 + n:]
@@ -307,8 +325,9 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     assert set(mf.tensors) == {"a"} and len(calls) == n + 2 and calls[-1][2] == ["w-00001.safetensors"]
     assert calls[-1][3] is None
     n = len(calls)
-    resolve("org/model", load_format="dummy")
-    assert len(calls) == n + 1 and not any(p.endswith(".safetensors") for p in calls[-1][2])
+    (snap / "w-00001.safetensors").unlink()  # random weights: the shards the index names are neither fetched nor read
+    mf = resolve("org/model", load_format="dummy")
+    assert len(calls) == n + 1 and not any(p.endswith(".safetensors") for p in calls[-1][2]) and mf.tensors == {}
 
 
 def test_text_config():
@@ -346,6 +365,18 @@ def test_native_config_defaults_and_refusals():
     # Windows that never bind: no layer uses one, or it covers the whole context.
     with pytest.raises(ValueError, match="sliding"):  # transformers' default window (4096) binds at 8192
         native_config(dict(base, use_sliding_window=True, max_window_layers=0, max_position_embeddings=8192))
+    for bad, needle in (({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                        ({"attention_bias": True}, "attention_bias"),
+                        ({"rope_scaling": {"rope_type": "linear"}}, "factor"),
+                        ({"rope_scaling": "yarn"}, "rope_scaling must be an object"),
+                        ({"rope_theta": -1.0}, "rope_theta"),
+                        ({"rms_norm_eps": "small"}, "rms_norm_eps"),
+                        ({"architectures": "LlamaForCausalLM"}, "'LlamaForCausalLM'")):
+        with pytest.raises(ValueError, match=needle):
+            native_config(dict(base, **bad))
+    # Null values take transformers' defaults; Qwen2's q/k/v biases stand whatever attention_bias says.
+    assert native_config(dict(base, rms_norm_eps=None, rope_theta=None, hidden_act="silu")).rms_eps == pytest.approx(1e-6)
+    assert native_config(dict(base, model_type="qwen2", attention_bias=False)).attn_bias
     for ok in ({"use_sliding_window": False, "sliding_window": 256},
                {"use_sliding_window": True, "sliding_window": 256, "max_window_layers": 2},
                {"use_sliding_window": True, "sliding_window": 256},  # max_window_layers' default (28): no layer

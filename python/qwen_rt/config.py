@@ -14,6 +14,8 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 def architecture(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
@@ -26,31 +28,40 @@ def architecture(cfg: dict) -> str:
 
 
 def _rope_parameters(cfg: dict) -> dict:
-    """RoPE settings in transformers 5 form, from rope_parameters or the older rope_scaling/rope_theta."""
-    p = dict(cfg.get("rope_parameters") or {})
-    old = cfg.get("rope_scaling") or {}
-    for k, v in old.items():
-        p.setdefault(k, v)
+    """RoPE settings in transformers 5 form. As there, rope_scaling (the block Qwen's model cards have users add
+    for long contexts) replaces rope_parameters when both are present; rope_theta comes from the block, else the
+    top level, else rope_parameters (where transformers 5 saves it), else 10000."""
+    scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
+    for key, v in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"config.json's {key} must be an object, got {type(v).__name__}")
+    p = dict(scaling or params or {})
     p.setdefault("rope_type", p.get("type", "default"))
     if p.get("rope_theta") is None:
-        p["rope_theta"] = cfg.get("rope_theta", 10000.0)
-    if "partial_rotary_factor" not in p and "partial_rotary_factor" in cfg:
-        p["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+        p["rope_theta"] = next((t for t in (cfg.get("rope_theta"), (params or {}).get("rope_theta")) if t is not None),
+                               10000.0)
     return p
 
 
+def _number(where: str, key: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"config.json's {where}{key} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies (float32, computed as transformers does) and the attention factor."""
+    """Inverse frequencies (float32, computed as transformers does) and the attention factor. Qwen2 and Qwen3
+    rotate every dimension of a head (transformers' Qwen2/Qwen3 ignore partial_rotary_factor)."""
     p = _rope_parameters(cfg)
-    base = float(p["rope_theta"])
-    dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+    base = _number("", "rope_theta", p["rope_theta"])
+    dim = head_dim
     kind = p["rope_type"]
     pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
     inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if kind == "default":
         return inv, 1.0
     if kind == "linear":
-        return (inv / np.float32(p["factor"])).astype(np.float32), 1.0
+        return (inv / np.float32(_number("rope_scaling's ", "factor", p.get("factor")))).astype(np.float32), 1.0
     if kind != "yarn":
         raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, yarn)")
     max_pos = cfg["max_position_embeddings"]
@@ -140,9 +151,15 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     # transformers' Qwen3Config defaults head_dim to 128; Qwen2's is hidden_size / heads.
     c.head_dim = int(cfg.get("head_dim") or (128 if arch == "qwen3" else c.hidden_size // c.num_q_heads))
     c.intermediate_size = int(need("intermediate_size"))
-    c.rms_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    eps = cfg.get("rms_norm_eps")
+    c.rms_eps = 1e-6 if eps is None else _number("", "rms_norm_eps", eps)
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+    if arch == "qwen3" and cfg.get("attention_bias"):
+        raise ValueError("attention_bias on a Qwen3 model (biases on q/k/v and o_proj) is not supported")
     c.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
-    c.attn_bias = True if arch == "qwen2" else bool(cfg.get("attention_bias", False))
+    c.attn_bias = arch == "qwen2"  # Qwen2: q/k/v biases (o_proj has none)
     c.qk_norm = arch == "qwen3"
     c.max_position_embeddings = context_limit(cfg, int(need("max_position_embeddings")))
     _check_full_attention(cfg, c.max_position_embeddings)

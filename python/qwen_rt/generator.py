@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 
 from . import _core
 from .config import FLOAT_DTYPES, native_config, config_dtype
-from .model_files import resolve, text_config
+from .model_files import resolve, same_tensor, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
@@ -314,6 +314,10 @@ class Generator:
         self.config = text_config(files.config)
         self.generation_config = dict(files.generation_config)
         ncfg = native_config(self.config)
+        # As transformers 5: tied embeddings, but the checkpoint has its own, different lm_head: that one is used.
+        head, embed = files.tensors.get("lm_head.weight"), files.tensors.get("model.embed_tokens.weight")
+        if ncfg.tie_embeddings and head is not None and not same_tensor(head, embed):
+            ncfg.tie_embeddings = False
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(files.root) if files.root else None
         # Why there is no tokenizer, for the errors that need one.
         self._no_tokenizer = "this model has no tokenizer"

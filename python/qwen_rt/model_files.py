@@ -95,10 +95,12 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype = str(meta["dtype"])
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+            dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+            if not (isinstance(dtype, str) and _int_list(shape) and _int_list(offsets) and len(offsets) == 2):
+                raise TypeError("dtype must be a string, shape and data_offsets lists of integers")
+            shape = tuple(shape)
+            begin, end = offsets
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: corrupt safetensors header entry for {name!r} ({e!r})") from e
         if begin < 0 or end < begin or end > data_size or any(d < 0 for d in shape):
             raise ValueError(
@@ -114,6 +116,25 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     return out
 
 
+def same_tensor(a: TensorInfo, b: TensorInfo | None) -> bool:
+    """Whether two stored tensors hold the same dtype, shape and bytes (read in 64 MiB pieces)."""
+    if b is None or a.dtype != b.dtype or a.shape != b.shape or a.nbytes != b.nbytes:
+        return False
+    step = 64 << 20
+    with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+        for off in range(0, a.nbytes, step):
+            n = min(step, a.nbytes - off)
+            fa.seek(a.offset + off)
+            fb.seek(b.offset + off)
+            if fa.read(n) != fb.read(n):
+                return False
+    return True
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
 def _read_weights(root: Path) -> dict[str, TensorInfo]:
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
@@ -122,8 +143,8 @@ def _read_weights(root: Path) -> dict[str, TensorInfo]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: corrupt index ({e!r})") from e
         shards = sorted(set(weight_map.values()))
@@ -217,7 +238,8 @@ def _load_folder(root: Path, load_format: str, name: str | None = None) -> Model
     config = _read_json(cfg_path, "config.json")
     gpath = root / "generation_config.json"
     gen = _read_json(gpath, "generation_config.json") if gpath.is_file() else {}
-    tensors = _read_weights(root)
+    # Random weights read none (a hub download with them left out has an index naming absent shards).
+    tensors = {} if load_format == "dummy" else _read_weights(root)
     if not tensors and load_format != "dummy":
         raise ValueError(f"{root}: no safetensors weights (model.safetensors, model.safetensors.index.json "
                          f"or *.safetensors); use load_format='dummy' for random weights")
