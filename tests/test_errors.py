@@ -68,6 +68,7 @@ BAD_REQUESTS = [
     ("repetition-penalty-zero", lambda v: [5], {"repetition_penalty": 0.0}, ValueError,
      r"repetition_penalty"),
     ("logprobs-negative", lambda v: [5], {"logprobs": -1}, ValueError, r"logprobs"),
+    ("logprobs-beyond-max", lambda v: [5], {"logprobs": 21}, ValueError, r"logprobs must be <= 20 \(the Generator's max_logprobs\)"),
     # Values Python holds but the engine's int32 / float32 cannot: refused in the library's words.
     ("top-k-int32", lambda v: [5], {"top_k": 2**31}, ValueError, r"top_k must be <= 2147483647"),
     ("max-tokens-int32", lambda v: [5], {"max_tokens": 2**40}, ValueError, r"max_tokens must be <= 2147483647"),
@@ -284,6 +285,18 @@ def test_default_max_model_len_is_capped_by_the_kv_cache(folder, good):
             g.generate(p, max_tokens=100, **GREEDY)
         (c,) = g.generate(p, **GREEDY)  # no max_tokens: it runs to the pool's end, as above
         assert c.finish_reason == "length" and len(p) + len(c.token_ids) == 65
+
+
+def test_max_logprobs_bounds_a_request(folder, make_gen):
+    """logprobs beyond the Generator's max_logprobs (20 by default) is refused; a Generator built with a larger one
+    serves it, one entry per top token."""
+    g = make_gen(folder, max_batch_size=2, max_logprobs=40)
+    (c,) = g.generate([5, 6, 7], max_tokens=2, logprobs=30, **GREEDY)
+    assert [len(d) for d in c.logprobs] == [30, 30]
+    with pytest.raises(ValueError, match="<= 40"):
+        g.generate([5, 6, 7], max_tokens=2, logprobs=41, **GREEDY)
+    with pytest.raises(TypeError, match="max_logprobs"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, max_logprobs=2.5))
 
 
 def test_stream_checks_its_input_when_called(gen, good):

@@ -327,8 +327,8 @@ void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::strin
 
 void Engine::Impl::fail_all(const std::string& msg) noexcept {
   std::lock_guard<std::mutex> lk(mu);
-  failed = msg;
   try {
+    failed = msg;
     // Every channel ends before any page is freed: should the scheduler's state be what failed (a release that
     // throws), no waiter is left without its end.
     const std::vector<Request*> all = sched->all_requests();

@@ -135,7 +135,8 @@ def _cmd_generate(args) -> int:
         sampling["ignore_eos"] = True
     # Bad sampling flags fail before the model loads (the vocabulary-bound checks wait for the model).
     from qwen_rt.sampling import INT32_MAX, SamplingParams
-    SamplingParams().replace(**sampling).resolved({}).validate(INT32_MAX)
+    from qwen_rt.generator import MAX_LOGPROBS
+    SamplingParams().replace(**sampling).resolved({}).validate(INT32_MAX, MAX_LOGPROBS)
 
     t_load = time.perf_counter()
     with Generator(args.model, **gen_kwargs) as gen:

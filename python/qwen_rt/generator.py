@@ -18,6 +18,7 @@ from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 __all__ = ["Generator", "Request"]
 
+MAX_LOGPROBS = 20  # the default bound on a request's top logprobs (vLLM's too)
 _POLL_S = 0.2  # wait slice: short enough for Ctrl-C to be seen
 
 
@@ -267,7 +268,8 @@ class Generator:
                  max_num_batched_tokens: int | None = None, seed: int = 0, load_format: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
-                 comm: str = "auto", comm_timeout: float = 120.0, progress: bool = True):
+                 comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
+                 progress: bool = True):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -278,7 +280,7 @@ class Generator:
             max_num_batched_tokens = 8192 if dev == "cuda" else 2048
         for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
-                            ("seed", seed, 0), ("num_threads", num_threads, 0)):
+                            ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
@@ -356,6 +358,8 @@ class Generator:
         self.dtype = adt
         self.weight_dtype = wdt
         self.vocab_size = ncfg.vocab_size
+        # Top logprobs a request may ask for: each one costs a pass over the vocabulary and host memory per row.
+        self.max_logprobs = max_logprobs
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds
@@ -401,7 +405,7 @@ class Generator:
         if kwargs:
             sampling = sampling.replace(**kwargs)
         p = sampling.resolved(self._defaults)
-        p.validate(self.vocab_size)
+        p.validate(self.vocab_size, self.max_logprobs)
         if p.stop_strings() and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer ({self._no_tokenizer}): use stop_token_ids")
         return p

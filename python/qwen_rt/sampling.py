@@ -76,8 +76,9 @@ class SamplingParams:
                 setattr(out, name, defaults.get(name, value))
         return out
 
-    def validate(self, vocab_size: int) -> None:
-        """Raises TypeError / ValueError naming the first bad field. Call on a resolved copy."""
+    def validate(self, vocab_size: int, max_logprobs: int | None = None) -> None:
+        """Raises TypeError / ValueError naming the first bad field. Call on a resolved copy.
+        max_logprobs: the Generator's bound on logprobs (None: the vocabulary)."""
         def number(name, lo=None, lo_open=False, hi=None, hi_open=False, integer=False):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or (integer and not is_int(v)):
@@ -116,6 +117,9 @@ class SamplingParams:
                 raise ValueError("seed must be < 2**63")
         if self.logprobs is not None:
             number("logprobs", lo=0, hi=vocab_size, integer=True)
+            if max_logprobs is not None and self.logprobs > max_logprobs:
+                raise ValueError(f"logprobs must be <= {max_logprobs} (the Generator's max_logprobs), "
+                                 f"got {self.logprobs}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):

@@ -98,6 +98,9 @@ void* CudaBackend::alloc(size_t bytes) {
   const cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
   if (e != cudaSuccess) {
     cudaGetLastError();
+    // Only an allocation failure is out of memory: after a kernel fault every call fails, and says so.
+    if (e != cudaErrorMemoryAllocation)
+      throw std::runtime_error(str_cat("cuda:", dev_, ": allocating ", bytes, " bytes failed: ", cudaGetErrorString(e)));
     size_t fr = 0, tot = 0;
     cudaMemGetInfo(&fr, &tot);
     throw std::runtime_error(str_cat("cuda:", dev_, ": out of memory allocating ", bytes, " bytes (",
@@ -399,6 +402,8 @@ void CudaBackend::fill_tokens(int32_t* ids, const int32_t* src_index, const int3
 }
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out) {
+  // sample_finish takes the oldest started sampling: with one in flight, this call's result would not be it.
+  QRT_CHECK(samples_started_ == samples_finished_, "cuda sample: called while a sample_start is unfinished");
   sample_start(logits, rows);
   sample_finish(out, 1e30);
 }

@@ -30,14 +30,16 @@ int alignment(const void* p, int64_t ld_bytes) {
 
 }  // namespace
 
+void LtGemm::destroy(Plan& p) noexcept {
+  if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+  if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+  if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+  if (p.op) cublasLtMatmulDescDestroy(p.op);
+  p = Plan{};
+}
+
 LtGemm::~LtGemm() {
-  for (auto& kv : plans_) {
-    Plan& p = kv.second;
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
-    if (p.op) cublasLtMatmulDescDestroy(p.op);
-  }
+  for (auto& kv : plans_) destroy(kv.second);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(handle_);
 }
@@ -53,6 +55,18 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   auto it = plans_.find(k);
   if (it != plans_.end()) return it->second;
   Plan& p = plans_[k];
+  try {
+    build_plan(p, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bias_t, out_t);
+  } catch (...) {  // no half-built plan stays to be found by the next call of this shape
+    destroy(p);
+    plans_.erase(k);
+    throw;
+  }
+  return p;
+}
+
+void LtGemm::build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
+                        int al_x, int al_w, int al_o, int bias_t, DType out_t) {
   const cudaDataType_t ct = cuda_type(t);
   lt_check(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -85,7 +99,6 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   cublasLtMatmulPreferenceDestroy(pref);
   p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
   if (p.ok) p.algo = res.algo;
-  return p;
 }
 
 bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,

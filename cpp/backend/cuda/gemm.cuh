@@ -36,6 +36,9 @@ class LtGemm {
   };
   Plan& plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
              int al_x, int al_w, int al_o, int bias_t, DType out_t);
+  void build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
+                  int al_x, int al_w, int al_o, int bias_t, DType out_t);
+  static void destroy(Plan& p) noexcept;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
