@@ -160,6 +160,7 @@ struct Engine::Impl {
   std::unique_ptr<Flight> launched;
 
   void build(const std::vector<TensorSource>& tensors, const Progress& progress);
+  void release_ranks() noexcept;  // frees every rank's device memory, then the rank threads
   void loop();
   void step();
   std::unique_ptr<Flight> launch(Plan plan);
@@ -174,6 +175,25 @@ struct Engine::Impl {
   void fail_all(const std::string& msg) noexcept;
   void update_snapshot();
 };
+
+namespace {
+
+// Runs fn on a thread of its own and returns (or throws) what it did. Rank 0's device work in build and close
+// runs there, so the calling thread's current CUDA device stays what the application (torch) made it.
+void on_own_thread(const std::function<void()>& fn) {
+  std::exception_ptr err;
+  std::thread t([&] {
+    try {
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  });
+  t.join();
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace
 
 void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progress& progress) {
   const int n = opt.tensor_parallel_size;
@@ -502,7 +522,14 @@ Engine::Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors,
   impl_->cfg = cfg;
   impl_->opt = opts;
   validate(cfg);
-  impl_->build(tensors, progress);
+  on_own_thread([&] {
+    try {
+      impl_->build(tensors, progress);
+    } catch (...) {
+      impl_->release_ranks();  // here too, not on the caller's thread
+      throw;
+    }
+  });
   impl_->loop_thread = std::thread([this] { impl_->loop(); });
 }
 
@@ -647,10 +674,18 @@ void Engine::close() {
     if (m.sched) m.update_snapshot();  // the loop has stopped: stats() says that nothing runs or waits
     m.out_cv.notify_all();
   }
-  // Free device memory rank by rank on each rank's own thread, then the threads.
-  if (!m.ranks.empty()) {
+  try {
+    on_own_thread([&m] { m.release_ranks(); });
+  } catch (...) {  // no thread to be had: free them here
+    m.release_ranks();
+  }
+}
+
+void Engine::Impl::release_ranks() noexcept {
+  // Free device memory rank by rank on each rank's own thread (all of them up), then the threads.
+  if (!ranks.empty() && workers.size() + 1 == ranks.size()) {
     try {
-      m.on_ranks([](int, Rank& rk) {
+      on_ranks([](int, Rank& rk) {
         try {
           if (rk.be) rk.be->synchronize();
         } catch (...) {  // a failed device: free what can be freed
@@ -660,12 +695,12 @@ void Engine::close() {
         if (rk.be) rk.be->drop_graphs();  // first: NCCL's destroy waits for graphs that captured collectives
         rk.comm.reset();
         rk.be.reset();
-      }, Impl::kNoLimit);  // with a bound, on_ranks' late path would abort communicators their ranks are freeing
+      }, kNoLimit);  // with a bound, on_ranks' late path would abort communicators their ranks are freeing
     } catch (...) {
     }
   }
-  m.workers.clear();
-  m.ranks.clear();
+  workers.clear();
+  ranks.clear();
 }
 
 }  // namespace qrt
