@@ -512,7 +512,8 @@ void CudaBackend::sample_finish(SampleResult& out, double timeout_s) {
   for (int spins = 0;; ++spins) {
     const cudaError_t e = cudaEventQuery(io.done);
     if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) check(e, "sample");
+    // A fault in any kernel of the step (its forward or its sampling) surfaces here.
+    if (e != cudaErrorNotReady) check(e, "step (a kernel of its forward or sampling)");
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waited > timeout_s)
       throw std::runtime_error(str_cat(name(), ": a step did not finish within ", timeout_s,

@@ -91,7 +91,13 @@ void launch_chained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = chained_launch_supported() ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...), "kernel launch");
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  if (e != cudaSuccess) {  // named by the kernel's (mangled) name: the op's own check after it is not reached
+    const char* name = nullptr;
+    cudaGetLastError();
+    if (cudaFuncGetName(&name, reinterpret_cast<const void*>(kernel)) != cudaSuccess || !name) name = "a kernel";
+    check(e, str_cat("launch of ", name).c_str());
+  }
 }
 
 // SwiGLU of one gate and up value, fp32: every kernel that applies it (silu_mul, the gated GEMV) uses this.
