@@ -316,7 +316,14 @@ def test_hub_download_patterns(monkeypatch, tmp_path):
     assert "tokenizer.json" in calls[-2][2] and "config.json" in calls[-2][2]
     assert "additional_chat_templates/*.jinja" in calls[-2][2]  # named templates (tool_use), as from_dir reads
     assert "model.safetensors.index.json" in calls[-2][2] and not any(p.endswith(".safetensors") for p in calls[-2][2])
-    assert calls[-1][2] == ["*.safetensors"] and calls[-1][3] == ["*/*"]  # not subfolders' copies
+    assert calls[-1][2] == ["model.safetensors"]  # the file read, not every other copy of the weights
+    # Without an index or model.safetensors: the top-level safetensors files (not subfolders' copies).
+    (snap / "model.safetensors").rename(snap / "weights.safetensors")
+    n = len(calls)
+    mf = resolve("org/model")
+    assert set(mf.tensors) == {"a"} and len(calls) == n + 3
+    assert calls[-2][2] == ["model.safetensors"] and calls[-1][2] == ["*.safetensors"] and calls[-1][3] == ["*/*"]
+    (snap / "weights.safetensors").rename(snap / "model.safetensors")
     # With an index: exactly the shards it names (a repo's other copies of the weights are not fetched).
     (snap / "model.safetensors").rename(snap / "w-00001.safetensors")
     (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w-00001.safetensors"}}))

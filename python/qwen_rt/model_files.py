@@ -272,22 +272,22 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
 
     path = fetch(list(_HUB_PATTERNS_META))
     if load_format != "dummy":
-        # The weights: the shards the index names, else the repo's top-level safetensors files. (Only what is
-        # read: a repo may also hold other copies of the weights, under other names or in subfolders such as
-        # original/, which the "*" of the fallback would match.)
+        # Only the weights that are read (a repo may hold other copies of them, under other names or in subfolders
+        # such as original/): the shards the index names; else model.safetensors; else the top-level files.
         shards = _weight_files(path / "model.safetensors.index.json")
-        fetch(shards, ignore=["*/*"] if shards == _ALL_SAFETENSORS else None)
+        if shards:
+            fetch(shards)
+        elif not (fetch(["model.safetensors"]) / "model.safetensors").is_file():
+            fetch(["*.safetensors"], ignore=["*/*"])
     return path
 
 
-_ALL_SAFETENSORS = ["*.safetensors"]
-
-
 def _weight_files(index: Path) -> list[str]:
+    """The shard files an index names ([] without a readable index: resolve() says what is wrong)."""
     try:
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no index, or not one: resolve() says so
-        return _ALL_SAFETENSORS
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str | None = None) -> ModelFiles:
@@ -297,7 +297,7 @@ def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str |
     load_format="dummy" also hub-style names such as "Qwen/Qwen3-8B" that match one); or a hub id,
     downloaded with huggingface_hub (weights left out when load_format="dummy").
     """
-    if load_format not in ("auto", "dummy", "safetensors"):
+    if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
