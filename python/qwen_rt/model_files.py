@@ -264,7 +264,7 @@ def _download(repo_id: str, revision: str | None, load_format: str) -> Path:
         except Exception as e:  # repo not found, gated, offline with nothing cached, network errors, bad ids
             kind = type(e).__name__
             hint = ""
-            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # as the hub reads it
             if "LocalEntryNotFound" in kind or "Offline" in kind or offline:
                 hint = " (offline and not in the local cache?)"
             raise ValueError(f"model {repo_id!r}: not a local folder, and fetching it from the Hugging Face Hub "

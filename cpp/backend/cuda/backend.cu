@@ -129,7 +129,11 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {
     s.p = nullptr;
     s.bytes = 0;
   }
-  s.p = alloc(want);
+  try {
+    s.p = alloc(want);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(str_cat(e.what(), " (for the ", what, ")"));
+  }
   s.bytes = want;
   return s.p;
 }
