@@ -38,6 +38,18 @@ def test_greedy_matches_transformers(build, make_gen, name):
         assert not msg, msg
 
 
+def test_request_fills_max_model_len_exactly(build, make_gen):
+    """A prompt and max_tokens that reach max_model_len exactly (the RoPE table holds max_model_len positions):
+    transformers' greedy tokens to the last one."""
+    folder = build("qwen3_yarn")
+    gen = make_gen(folder, max_model_len=40)
+    (p,) = M.pick_prompts(folder, seed=15, lengths=[30], max_new=10)
+    (c,) = gen.generate([p], max_tokens=10, **GREEDY)
+    assert c.finish_reason == "length" and len(p) + len(c.token_ids) == 40
+    msg = M.greedy_mismatch(folder, p, c.token_ids, 10)
+    assert not msg, msg
+
+
 def test_checkpoints_transformers_reads_its_own_way(build, tmp_path):
     """Two checkpoint shapes transformers 5 reads in a particular way, and so do we: a rope_scaling block added
     beside a saved rope_parameters replaces it (yarn on, with the top-level rope_theta), and tied embeddings with

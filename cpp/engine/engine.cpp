@@ -252,6 +252,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   lim.max_tokens = opt.max_num_batched_tokens;
   lim.max_seqs = opt.max_batch_size;
   lim.max_pages_per_seq = (opt.max_model_len + opt.page_size - 1) / opt.page_size;
+  lim.max_positions = opt.max_model_len;
   lim.graphs = opt.cuda_graphs;
   on_ranks([&](int r, Rank& rk) {
     WeightSpec ws{files.get(), opt.seed, wdt};

@@ -175,7 +175,9 @@ void QwenModel::load_weights(const Progress& progress) {
 }
 
 void QwenModel::build_rope_table() {
-  const int rot = cfg_.rot_dim(), half = rot / 2, P = cfg_.max_position_embeddings;
+  const int rot = cfg_.rot_dim(), half = rot / 2;
+  const int P = lim_.max_positions > 0 ? std::min(lim_.max_positions, cfg_.max_position_embeddings)
+                                        : cfg_.max_position_embeddings;
   std::vector<float> tab(size_t(P) * rot);
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < half; ++i) {

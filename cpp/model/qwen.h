@@ -41,6 +41,7 @@ struct Limits {
   int max_tokens = 0;       // rows of one step (max_num_batched_tokens)
   int max_seqs = 0;         // sequences of one step (max_batch_size)
   int max_pages_per_seq = 0;
+  int max_positions = 0;    // positions a request reaches (max_model_len; 0: max_position_embeddings): the RoPE table
   bool graphs = false;      // replay decode steps from captured graphs (when the backend has them)
 };
 
