@@ -609,9 +609,10 @@ class Generator:
     def close(self) -> None:
         """Stops the engine and frees every byte it took (idempotent)."""
         with self._close_lock:
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
+            # Cleared first: a request whose wait fails from here on sees a closed Generator and ends "cancelled".
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                engine.close()
 
     def __enter__(self) -> "Generator":
         return self
