@@ -67,7 +67,8 @@ std::unique_ptr<Backend> make_cuda_backend(int device, DType act_dtype) {
   QRT_CHECK(p.handle, p.error);
   char err[512] = {0};
   Backend* be = p.make_backend(device, int(act_dtype), err, sizeof(err));
-  if (!be) throw std::invalid_argument(err[0] ? err : "cannot create the CUDA backend");
+  // The engine checks the device index first: what fails here is the device (out of memory, the driver).
+  if (!be) throw std::runtime_error(err[0] ? err : "cannot create the CUDA backend");
   return std::unique_ptr<Backend>(be);
 }
 
