@@ -18,6 +18,10 @@ from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 __all__ = ["Generator", "Request"]
 
+class _Closed(RuntimeError):
+    """The Generator was closed before or during an engine call."""
+
+
 MAX_LOGPROBS = 20  # the default bound on a request's top logprobs (vLLM's too)
 _POLL_S = 0.2  # wait slice: short enough for Ctrl-C to be seen
 
@@ -117,9 +121,7 @@ class Request:
                 return
             try:
                 out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
-            except RuntimeError:
-                if self._gen._engine is not None:
-                    raise
+            except _Closed:
                 self._end_cancelled()  # the Generator was closed under it: it ends with what it produced
                 return
             self._take(out)
@@ -392,8 +394,13 @@ class Generator:
     def _engine_call(self, name, *args):
         engine = self._engine  # read once: close() from another thread may clear it
         if engine is None:
-            raise RuntimeError("the Generator is closed")
-        return getattr(engine, name)(*args)
+            raise _Closed("the Generator is closed")
+        try:
+            return getattr(engine, name)(*args)
+        except RuntimeError as e:
+            if self._engine is None:  # close() cleared the handle while the call ran
+                raise _Closed("the Generator is closed") from e
+            raise
 
     # -- request building --------------------------------------------------------------------------
 
@@ -549,10 +556,8 @@ class Generator:
         while watched:
             try:
                 ready = self._engine_call("wait_any", [r._rid for r in watched], _POLL_S) >= 0
-            except RuntimeError:
-                if self._engine is not None:
-                    raise
-                ready = True  # closed: each poll ends its request as cancelled
+            except _Closed:
+                ready = True  # each poll ends its request as cancelled
             if ready:
                 for r in watched:
                     r._poll(0.0)
