@@ -810,3 +810,17 @@ def test_banned_and_penalties(cpu):
     toks = list(b["tokens"])
     assert toks[0] != top and toks[1] != int(np.argmax(logits[1])) and toks[2] != int(np.argmax(logits[2]))
     assert toks[3] == 17
+
+
+def test_linear_many_shapes_past_the_plan_cache():
+    """More distinct token counts than cuBLASLt plans are kept (1024): the cache starts over and every shape
+    still gives the right product, the first time and after the plans that made it were dropped."""
+    rng = np.random.default_rng(5)
+    n, k = 24, 40
+    w = rand(rng, (n, k)) / math.sqrt(k)
+    x = rand(rng, (1200, k))
+    h = harness(DEVICE, "float32")
+    for _ in range(2):
+        for m in range(9, 1200):
+            out = np.asarray(h.linear(x[:m], w, None, "float32"))
+            assert rel(out, x[:m].astype(np.float64) @ w.T.astype(np.float64)) < TOL["float32"], m

@@ -360,6 +360,10 @@ def test_native_config_defaults_and_refusals():
             "max_position_embeddings": 1024}
     assert native_config(base).head_dim == 128  # Qwen3Config's default, not hidden_size / heads
     assert native_config(dict(base, model_type="qwen2")).head_dim == 64
+    # num_key_value_heads: absent is transformers' default (32), null is one per q head.
+    no_kv = {k: v for k, v in base.items() if k != "num_key_value_heads"}
+    assert native_config(dict(no_kv, num_attention_heads=64)).num_kv_heads == 32
+    assert native_config(dict(base, num_key_value_heads=None)).num_kv_heads == 4
     assert native_config(base).max_position_embeddings == 1024
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
     assert native_config(dict(base, rope_scaling=yarn)).max_position_embeddings == 4096  # Qwen's long-context recipe

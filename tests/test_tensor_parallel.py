@@ -155,3 +155,42 @@ def test_weight_files_unmapped_once_loaded(build, fresh_gen):
         assert mapped() == before
         (c,) = g.generate([[1, 2, 3]], max_tokens=4, **GREEDY)
         assert len(c.token_ids) == 4
+
+
+_FAIL_SCRIPT = r"""
+import sys, time
+import qwen_rt
+folder, tp = sys.argv[1], int(sys.argv[2])
+g = qwen_rt.Generator(folder, device="cpu", dtype="float32", tensor_parallel_size=tp, progress=False,
+                      kv_cache_memory=1 << 20, comm_timeout=60)
+t = time.perf_counter()
+try:
+    g.generate([[1, 2, 3, 4]], max_tokens=4, temperature=0.0)
+    print("NO ERROR")
+except RuntimeError as e:
+    print("ERROR", round(time.perf_counter() - t, 2), e)
+t = time.perf_counter()
+g.close()
+print("CLOSED", round(time.perf_counter() - t, 2))
+"""
+
+
+@pytest.mark.parametrize("tp,rank", [(2, 0), (2, 1), (4, 2)])
+def test_tp_failing_rank_fails_the_step_at_once(build, tmp_path, tp, rank):
+    """A rank whose part of a step throws (QWEN_RT_TEST_FAIL_RANK) while the others wait in its collectives: the
+    step fails at once with that rank's error, not the aborted collectives' nor after comm_timeout (60 s)."""
+    import os
+    import subprocess
+    import sys
+    folder = build("qwen3_mha_untied")
+    script = tmp_path / "fail.py"
+    script.write_text(_FAIL_SCRIPT)
+    env = dict(os.environ, QWEN_RT_TEST_FAIL_RANK=str(rank))
+    r = subprocess.run([sys.executable, str(script), str(folder), str(tp)], env=env, capture_output=True, text=True,
+                       timeout=150)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln}
+    assert "ERROR" in lines and "NO" not in lines, r.stdout
+    assert f"rank {rank} failed (QWEN_RT_TEST_FAIL_RANK)" in lines["ERROR"], r.stdout
+    assert float(lines["ERROR"].split()[1]) < 20, r.stdout
+    assert "CLOSED" in lines and float(lines["CLOSED"].split()[1]) < 20, r.stdout

@@ -46,8 +46,9 @@ const Plugin& plugin() {
     p.nccl_unique_id = reinterpret_cast<decltype(p.nccl_unique_id)>(dlsym(p.handle, "qrt_cuda_nccl_unique_id"));
     p.make_nccl_comm = reinterpret_cast<decltype(p.make_nccl_comm)>(dlsym(p.handle, "qrt_cuda_make_nccl_comm"));
     if (!p.device_count || !p.make_backend || !p.nccl_unique_id || !p.make_nccl_comm) {
+      dlclose(p.handle);
+      p = Plugin();
       p.error = "the CUDA plugin " + path + " lacks an entry point";
-      p.handle = nullptr;
     }
   });
   return p;

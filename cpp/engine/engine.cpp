@@ -53,6 +53,10 @@ class RankWorker {
               "a tensor-parallel rank did not finish its work within ", timeout_s, " s");
     if (error_) std::rethrow_exception(error_);
   }
+  bool done() {
+    std::lock_guard<std::mutex> lk(m_);
+    return done_;
+  }
 
  private:
   void loop() {
@@ -92,6 +96,19 @@ struct Rank {
 
 bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
+// Built at load: the loop may fail for want of memory to build a message.
+const std::string kUnknownFailure = "engine step failed: an unknown error (or no memory left to describe it)";
+
+// Test hook: QWEN_RT_TEST_FAIL_RANK=<r> makes every step of rank r fail before its forward (a failing rank's
+// stand-in, while the others wait in its collectives).
+void test_fail_rank(int r) {
+  static const int rank = [] {
+    const char* e = std::getenv("QWEN_RT_TEST_FAIL_RANK");
+    return e && *e ? std::atoi(e) : -1;
+  }();
+  QRT_CHECK(r != rank, "rank ", r, " failed (QWEN_RT_TEST_FAIL_RANK)");
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -114,39 +131,65 @@ struct Engine::Impl {
   std::thread loop_thread;
 
   // Runs fn on every rank at once (rank 0 on this thread) and waits for all; a rank that takes longer than
-  // timeout_s (default comm_timeout_s: a step's bound) is an error.
+  // timeout_s (default comm_timeout_s: a step's bound) is an error. A rank whose job throws aborts its
+  // communicator at once, so that no other rank waits out the bound in a collective; the error thrown is the
+  // first in time (the cause, not the aborted collectives it led to).
   static constexpr double kNoLimit = std::numeric_limits<double>::infinity();
   void on_ranks(const std::function<void(int, Rank&)>& fn, double timeout_s = -1) {
     if (timeout_s < 0) timeout_s = opt.comm_timeout_s;
-    for (size_t r = 1; r < ranks.size(); ++r) workers[r - 1]->post([&fn, this, r] { fn(int(r), ranks[r]); });
-    std::exception_ptr err;
+    std::mutex first_mu;
+    std::exception_ptr first;  // the first job's failure, in time
+    auto job = [&](int r) {
+      try {
+        fn(r, ranks[r]);
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> lk(first_mu);
+          if (!first) first = std::current_exception();
+        }
+        if (ranks.size() > 1) abort_collectives(ranks[r]);
+        throw;
+      }
+    };
+    for (size_t r = 1; r < ranks.size(); ++r) workers[r - 1]->post([&job, r] { job(int(r)); });
+    std::exception_ptr late_err;
     try {
-      fn(0, ranks[0]);
+      job(0);
     } catch (...) {
-      err = std::current_exception();
     }
     bool late = false;
     for (size_t r = 1; r < ranks.size(); ++r) {
       try {
         workers[r - 1]->wait(timeout_s);
       } catch (...) {
-        if (!err) err = std::current_exception();
-        late = true;
+        std::lock_guard<std::mutex> lk(first_mu);
+        if (!first && !late_err) late_err = std::current_exception();  // a timeout: the job still runs
+        late = late || !workers[r - 1]->done();
       }
     }
     if (late) {
-      // A rank outlived the timeout, and its job refers to the caller's frame: end the collectives it may wait
-      // in, and return only once every job is over.
+      // A rank outlived the timeout, and its job refers to this frame: end the collectives it may wait in, and
+      // return only once every job is over.
       for (auto& rk : ranks)
         if (rk.comm) rk.comm->abort();
       for (auto& w : workers) {
         try {
           w->wait(kNoLimit);
-        } catch (...) {  // the first error is reported already
+        } catch (...) {  // recorded in `first` already
         }
       }
     }
-    if (err) std::rethrow_exception(err);
+    std::lock_guard<std::mutex> lk(first_mu);
+    if (first) std::rethrow_exception(first);
+    if (late_err) std::rethrow_exception(late_err);
+  }
+  // Ends a failed rank's collectives: its graphs go first, as NCCL's teardown waits for those that captured them.
+  static void abort_collectives(Rank& rk) noexcept {
+    try {
+      if (rk.be) rk.be->drop_graphs();
+      if (rk.comm) rk.comm->abort();
+    } catch (...) {
+    }
   }
 
   // A launched step whose tokens are not yet known (at most one: `launched`), and the requests that
@@ -392,21 +435,17 @@ void Engine::Impl::loop() {
       step();
     }
   } catch (const std::exception& e) {
-    error = std::string("engine step failed: ") + e.what();
+    try {
+      error = std::string("engine step failed: ") + e.what();
+    } catch (...) {  // no memory for the message: the fixed one below
+    }
   } catch (...) {
-    error = "engine step failed: an unknown error";
   }
   // A rank or the device may still wait in a collective: end those waits before anything else. No rank's job runs
   // now (on_ranks returns only when all are over); graphs go first, as NCCL's teardown waits for those that
   // captured its collectives.
-  for (auto& rk : ranks) {
-    try {
-      if (rk.be) rk.be->drop_graphs();
-      if (rk.comm) rk.comm->abort();
-    } catch (...) {
-    }
-  }
-  fail_all(error);
+  for (auto& rk : ranks) abort_collectives(rk);
+  fail_all(error.empty() ? kUnknownFailure : error);
 }
 
 // One turn of the loop. With one rank, the next step is planned and launched while the step before it
@@ -432,6 +471,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   const int32_t* sampled = ranks[0].be->sampled_tokens();
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
+    test_fail_rank(r);
     Tensor l = rk.model->forward(p.input, *rk.kv, r == 0 ? sampled : nullptr);
     if (r == 0) logits = l;
   });

@@ -147,7 +147,9 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     c.hidden_size = int(need("hidden_size"))
     c.num_layers = int(need("num_hidden_layers"))
     c.num_q_heads = int(need("num_attention_heads"))
-    c.num_kv_heads = int(cfg.get("num_key_value_heads") or c.num_q_heads)
+    # As transformers' Qwen2/Qwen3 configs: an absent key is their default (32), a null one means one per q head.
+    kv = cfg.get("num_key_value_heads", 32)
+    c.num_kv_heads = int(c.num_q_heads if kv is None else kv)
     # transformers' Qwen3Config defaults head_dim to 128; Qwen2's is hidden_size / heads.
     c.head_dim = int(cfg.get("head_dim") or (128 if arch == "qwen3" else c.hidden_size // c.num_q_heads))
     c.intermediate_size = int(need("intermediate_size"))

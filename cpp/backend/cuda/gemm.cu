@@ -54,6 +54,10 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
                            int64_t ldo, int al_x, int al_w, int al_o, int bias_t, DType out_t) {
   auto it = plans_.find(k);
   if (it != plans_.end()) return it->second;
+  if (plans_.size() >= kMaxPlans) {  // every prefill token count is a shape: start over rather than grow for ever
+    for (auto& kv : plans_) destroy(kv.second);
+    plans_.clear();
+  }
   Plan& p = plans_[k];
   try {
     build_plan(p, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bias_t, out_t);

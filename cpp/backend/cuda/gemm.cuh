@@ -40,6 +40,8 @@ class LtGemm {
                   int al_x, int al_w, int al_o, int bias_t, DType out_t);
   static void destroy(Plan& p) noexcept;
 
+  // Plans are host objects, read when a GEMM is enqueued (or captured): any may go once its call returned.
+  static constexpr size_t kMaxPlans = 1024;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t ws_bytes_ = 0;
