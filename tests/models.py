@@ -436,6 +436,24 @@ def pick_prompts(folder, seed: int, lengths, max_new: int, margin: float = MARGI
     return out
 
 
+def shared_prefix_prompts(folder, seed: int, prefix_len: int, suffix_lens, max_new: int) -> list[list[int]]:
+    """Prompts of one random prefix and random suffixes, each redrawn until transformers' greedy continuation is
+    well conditioned (an exact comparison is safe)."""
+    info = model_info(folder)
+    rng = np.random.default_rng(seed)
+    prefix = random_prompt(rng, prefix_len, info["vocab_size"], info["specials"])
+    out = []
+    for n in suffix_lens:
+        for _ in range(50):
+            p = prefix + random_prompt(rng, n, info["vocab_size"], info["specials"])
+            if min(hf_greedy_margins(folder, p, max_new)) >= MARGIN:
+                out.append(p)
+                break
+        else:
+            raise AssertionError(f"fixture: no well-conditioned suffix of length {n}")
+    return out
+
+
 def greedy_mismatch(folder, prompt, got, n=None) -> str:
     """'' when got == transformers' greedy continuation, else a message naming the first
     diverging step and the reference margin there."""

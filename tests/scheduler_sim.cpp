@@ -3,14 +3,15 @@
 //
 // A stand-in device writes a tag (request, position, token) into every K/V row a step fills and samples each
 // sequence's next token as a hash of the context it reads back through the step's page table. A token fed at
-// the wrong position, a page shared or reused while it is live, or a context read from the wrong rows would
-// change the tokens. Every request's tokens are compared with the same request run alone, over random
-// page sizes, pool sizes, budgets, batch sizes and limits, with preemption, cancellation, stop tokens,
-// min_tokens and requests with penalties (which make the engine complete a step before planning the next).
+// the wrong position, a page reused while it is live, a write into a page another request holds (a shared
+// prefix), or a context read from the wrong rows would change the tokens or fail a check. Every request's tokens
+// are compared with the same request run alone, over random page sizes, pool sizes, budgets, batch sizes and
+// limits, with preemption, cancellation, stop tokens, min_tokens, requests with penalties (which make the engine
+// complete a step before planning the next), and prompts that share prefixes, with the prefix cache on or off.
 //
 // launch(), complete() and step() mirror Engine::Impl's in cpp/engine/engine.cpp without the device and the
 // sampling options: change them together.
-//   scheduler_sim [seeds]   prints "ok (<n> preemptions)" and exits 0, or prints the first failure and exits 1
+//   scheduler_sim [seeds]   prints "ok (<counts>)" and exits 0, or prints the first failure and exits 1
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -100,6 +101,7 @@ struct Sim {
   std::map<int64_t, Finish> ended;
   std::set<int64_t> penalized, admitted;
   std::vector<int64_t> admission_order;
+  int64_t cached_tokens = 0, shared_reads = 0;
 
   void finish(std::unique_ptr<Request> r, Finish f) {
     if (ended.count(r->id)) FAIL("request %lld ended twice", (long long)r->id);
@@ -111,7 +113,7 @@ struct Sim {
   void check_plan(const Plan& p) {
     const StepInput& in = p.input;
     int tokens = 0;
-    std::set<int> pages;
+    std::map<int, int> pages;  // page -> sequences of this step that hold it
     if (int(p.seqs.size()) > opt.max_batch_size) FAIL("%zu sequences in a step of at most %d", p.seqs.size(), opt.max_batch_size);
     for (size_t s = 0; s < p.seqs.size(); ++s) {
       const auto& q = p.seqs[s];
@@ -122,10 +124,11 @@ struct Sim {
       for (int j = 0; j < (q.first + q.count + opt.page_size - 1) / opt.page_size; ++j) {
         const int page = in.page_table[s * in.max_pages + j];
         if (page < 0 || page >= opt.num_pages) FAIL("page %d outside the pool", page);
-        if (!pages.insert(page).second) FAIL("page %d held by two sequences of one step", page);
+        if (++pages[page] > sched->pool().holders(page))
+          FAIL("page %d in %d sequences of one step, held by %d requests", page, pages[page],
+               sched->pool().holders(page));
       }
-      if (q.first == 0 && q.req->preempted == 0 && admitted.insert(q.req->id).second)
-        admission_order.push_back(q.req->id);
+      if (q.req->preempted == 0 && admitted.insert(q.req->id).second) admission_order.push_back(q.req->id);
     }
     if (tokens > opt.max_num_batched_tokens) FAIL("%d tokens in a step of at most %d", tokens, opt.max_num_batched_tokens);
   }
@@ -148,6 +151,9 @@ struct Sim {
         if (in.positions[k] != i) FAIL("position %d fed as %d", i, in.positions[k]);
         const int row = in.kv_rows[k];
         if (row / ps != in.page_table[s * in.max_pages + i / ps] || row % ps != i % ps) FAIL("kv_row off its page");
+        if (sched->pool().holders(row / ps) != 1)
+          FAIL("request %lld writes position %d into page %d, which %d requests hold", (long long)q.req->id, i,
+               row / ps, sched->pool().holders(row / ps));
         kv[row] = RowTag{q.req->id, i, t};
       }
     }
@@ -155,12 +161,18 @@ struct Sim {
     for (size_t s = 0; s < p.seqs.size(); ++s) {
       const auto& q = p.seqs[s];
       if (!q.sample) continue;
+      // Rows may have been written by another request with the same prefix: what must match is the content.
       std::vector<int32_t> context;
+      const auto& prompt = prompts[q.req->id];
+      const auto& want_out = expected[q.req->id].tokens;
       for (int j = 0; j < in.ctx_len[s]; ++j) {
         const RowTag& tag = kv[in.page_table[s * in.max_pages + j / ps] * ps + j % ps];
-        if (tag.id != q.req->id || tag.pos != j)
-          FAIL("request %lld reads position %d from a row of request %lld position %d", (long long)q.req->id, j,
-               (long long)tag.id, tag.pos);
+        const size_t o = size_t(j) - prompt.size();
+        const int32_t want = j < int(prompt.size()) ? prompt[size_t(j)] : o < want_out.size() ? want_out[o] : -9;
+        if (tag.pos != j || tag.token != want)
+          FAIL("request %lld reads position %d (token %d) from a row of request %lld position %d token %d",
+               (long long)q.req->id, j, want, (long long)tag.id, tag.pos, tag.token);
+        if (tag.id != q.req->id) shared_reads++;
         context.push_back(tag.token);
       }
       sampled.push_back(next_token(context, banned_tokens(q.req->opts, int(q.req->output.size()))));
@@ -222,8 +234,12 @@ struct Sim {
   }
 };
 
-// One random configuration and workload; returns its preemptions.
-int64_t run_seed(uint64_t seed) {
+struct Totals {
+  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0;
+};
+
+// One random configuration and workload; adds its counts to t.
+void run_seed(uint64_t seed, Totals& t) {
   std::mt19937_64 rng(seed);
   auto U = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   Sim sim;
@@ -234,9 +250,15 @@ int64_t run_seed(uint64_t seed) {
   const int capacity = sim.opt.num_pages * sim.opt.page_size;
   sim.opt.max_model_len = U(2, capacity + 1 + U(0, 5));
   sim.overlap = U(0, 3) != 0;
+  sim.opt.prefix_caching = U(0, 3) != 0;
   sim.sched = std::make_unique<Scheduler>(sim.opt);
   sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
   const int requests = U(1, 40);
+  // Prompts start with a prefix of one of a few shared sequences half of the time (a system prompt, a
+  // conversation's earlier turns), then go on at random.
+  std::vector<std::vector<int32_t>> families(3);
+  for (auto& f : families)
+    for (int i = 0; i < capacity; ++i) f.push_back(U(0, kVocab - 1));
   const bool cancels = U(0, 1);
   int submitted = 0, idle_steps = 0;
   int64_t next_id = 1;
@@ -249,7 +271,9 @@ int64_t run_seed(uint64_t seed) {
       if (prompt_len + max_tokens > sim.opt.max_model_len || prompt_len + max_tokens - 1 > capacity) continue;
       auto r = std::make_unique<Request>();
       r->id = next_id++;
-      for (int i = 0; i < prompt_len; ++i) r->prompt.push_back(U(0, kVocab - 1));
+      const auto& family = families[size_t(U(0, 2))];
+      const int shared = U(0, 1) ? U(0, prompt_len) : 0;
+      for (int i = 0; i < prompt_len; ++i) r->prompt.push_back(i < shared ? family[size_t(i)] : U(0, kVocab - 1));
       r->opts.max_tokens = max_tokens;
       r->opts.min_tokens = U(0, 2) == 0 ? U(0, max_tokens) : 0;
       r->opts.ignore_eos = U(0, 1);
@@ -291,21 +315,27 @@ int64_t run_seed(uint64_t seed) {
       }
     }
     if (!std::is_sorted(sim.admission_order.begin(), sim.admission_order.end())) FAIL("admitted out of arrival order");
+    if (!sim.opt.prefix_caching && (sim.shared_reads || sim.sched->cached_tokens() || sim.sched->cached_pages()))
+      FAIL("the prefix cache is off, yet %lld rows were read from other requests' pages", (long long)sim.shared_reads);
   }
   if (g_failed)
-    std::printf("seed %llu: page_size %d, pages %d, max_batch_size %d, budget %d, max_model_len %d, overlap %d\n",
+    std::printf("seed %llu: page_size %d, pages %d, max_batch_size %d, budget %d, max_model_len %d, overlap %d, "
+                "prefix caching %d\n",
                 (unsigned long long)seed, sim.opt.page_size, sim.opt.num_pages, sim.opt.max_batch_size,
-                sim.opt.max_num_batched_tokens, sim.opt.max_model_len, int(sim.overlap));
-  return sim.sched->preemptions();
+                sim.opt.max_num_batched_tokens, sim.opt.max_model_len, int(sim.overlap), int(sim.opt.prefix_caching));
+  t.preemptions += sim.sched->preemptions();
+  t.cached_tokens += sim.sched->cached_tokens();
+  t.shared_reads += sim.shared_reads;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int seeds = argc > 1 ? std::atoi(argv[1]) : 2000;
-  int64_t preemptions = 0;
-  for (int seed = 0; seed < seeds && !g_failed; ++seed) preemptions += run_seed(uint64_t(seed));
+  Totals t;
+  for (int seed = 0; seed < seeds && !g_failed; ++seed) run_seed(uint64_t(seed), t);
   if (g_failed) return 1;
-  std::printf("ok (%lld preemptions)\n", (long long)preemptions);
+  std::printf("ok (%lld preemptions, %lld prompt tokens from the prefix cache, %lld rows read from pages another "
+              "request wrote)\n", (long long)t.preemptions, (long long)t.cached_tokens, (long long)t.shared_reads);
   return 0;
 }

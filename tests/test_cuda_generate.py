@@ -228,3 +228,39 @@ def test_step_that_never_finishes_is_a_bounded_error(build, tmp_path, comm):
     assert "ERROR" in out and "did not finish within 0.5 s" in out, out
     assert "NO ERROR" not in out and "SECOND ERROR" in out, out
     assert "CLOSED" in out, out
+
+
+@pytest.mark.parametrize("name", ["qwen3_hd128_gqa2", "qwen2_hd64_bias"])
+def test_prefix_cache_fp32_equals_uncached_and_transformers(build, name):
+    """A first request fills the prefix cache; later ones with its 3-page prefix read those pages in their first
+    step (chunks after cached pages, and alone a single token after them, which runs as a graph-replayed decode step):
+    greedy tokens equal the cache-off run and transformers' in fp32."""
+    folder = build(name)
+    prompts = M.shared_prefix_prompts(folder, seed=12, prefix_len=48, suffix_lens=[4, 1, 23, 16, 40], max_new=10)
+    got = {}
+    for caching in (True, False):
+        with cuda_gen(folder, max_num_batched_tokens=32, enable_prefix_caching=caching) as g:
+            outs = (g.generate(prompts[:1], max_tokens=10, **GREEDY) + g.generate(prompts[1:2], max_tokens=10, **GREEDY)
+                    + g.generate(prompts[2:], max_tokens=10, **GREEDY))
+            got[caching] = [c.token_ids for c in outs]
+            assert (g.stats()["cached_tokens"] == 4 * 48) == caching
+    assert got[True] == got[False]
+    for p, t in zip(prompts, got[True]):
+        assert not M.greedy_mismatch(folder, p, t, 10), name
+
+
+def test_prefix_cache_bf16_logprobs_close(build):
+    """bf16: a request whose prefix came from the cache has first-token logprobs as close to transformers' fp32
+    ones as transformers' own bf16 run (at most twice its error, plus 0.02)."""
+    folder = build("qwen3_hd128_gqa2")
+    first, second = M.shared_prefix_prompts(folder, seed=14, prefix_len=32, suffix_lens=[3, 11], max_new=1)
+    with cuda_gen(folder, dtype="bfloat16") as g:
+        g.generate([first], max_tokens=1, **GREEDY)
+        c = g.generate([second], max_tokens=1, logprobs=5, **GREEDY)[0]
+        assert g.stats()["cached_tokens"] == 32
+    ref = M.log_softmax(M.hf_logits(str(folder), second))
+    hf_bf16 = M.log_softmax(M.hf_logits(str(folder), second, dtype="bfloat16"))
+    toks = list(c.logprobs[0])
+    ours = max(abs(c.logprobs[0][t] - ref[t]) for t in toks)
+    theirs = max(abs(hf_bf16[t] - ref[t]) for t in toks)
+    assert ours <= 2 * theirs + 0.02, (ours, theirs)

@@ -1,6 +1,7 @@
 """The scheduler under the engine's step bookkeeping over thousands of random configurations
 (tests/scheduler_sim.cpp, built here from the real scheduler and page sources): every token fed and every K/V row
-read is checked, outputs equal each request's run alone, and no page or slot leaks."""
+read is checked, outputs equal each request's run alone, no page or slot leaks, and requests that share a prefix
+share its cached pages without writing into them."""
 from __future__ import annotations
 
 import os
@@ -30,3 +31,6 @@ def test_scheduler_simulation(tmp_path):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
     r = subprocess.run([str(exe), "3000"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.startswith("ok ("), r.stdout[-3000:] + r.stderr[-3000:]
+    # The workloads share prefixes: the cache must have been used, and its pages read by other requests.
+    counts = [int(w) for w in r.stdout.replace("(", " ").split() if w.isdigit()]
+    assert counts[1] > 0 and counts[2] > 0, r.stdout

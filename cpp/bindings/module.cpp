@@ -71,7 +71,8 @@ NB_MODULE(_core, m) {
       .def_rw("seed", &EngineOptions::seed)
       .def_rw("num_threads", &EngineOptions::num_threads)
       .def_rw("cuda_graphs", &EngineOptions::cuda_graphs)
-      .def_rw("comm_timeout_s", &EngineOptions::comm_timeout_s);
+      .def_rw("comm_timeout_s", &EngineOptions::comm_timeout_s)
+      .def_rw("prefix_caching", &EngineOptions::prefix_caching);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
       .def(nb::init<>())
@@ -135,6 +136,8 @@ NB_MODULE(_core, m) {
         d["total_slots"] = s.total_slots;
         d["free_pages"] = s.free_pages;
         d["total_pages"] = s.total_pages;
+        d["cached_pages"] = s.cached_pages;
+        d["cached_tokens"] = s.cached_tokens;
         d["running"] = s.running;
         d["waiting"] = s.waiting;
         d["preemptions"] = s.preemptions;

@@ -341,6 +341,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.page_size = opt.page_size;
   so.num_pages = int(pages);
   so.max_model_len = opt.max_model_len;
+  so.prefix_caching = opt.prefix_caching;
   sched = std::make_unique<Scheduler>(so);
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
@@ -355,6 +356,8 @@ void Engine::Impl::update_snapshot() {
   snapshot.running = sched->running();
   snapshot.waiting = sched->waiting() + int(incoming.size());
   snapshot.preemptions = sched->preemptions();
+  snapshot.cached_pages = sched->cached_pages();
+  snapshot.cached_tokens = sched->cached_tokens();
   snapshot.max_model_len = opt.max_model_len;
   snapshot.page_size = opt.page_size;
 }

@@ -18,7 +18,8 @@ const char* finish_name(Finish f) {
   return "";
 }
 
-Scheduler::Scheduler(const SchedulerOptions& o) : opt_(o), pool_(o.num_pages), slots_(o.max_batch_size) {}
+Scheduler::Scheduler(const SchedulerOptions& o)
+    : opt_(o), pool_(o.num_pages, o.page_size, o.prefix_caching), slots_(o.max_batch_size) {}
 
 void Scheduler::add(std::unique_ptr<Request> r) { waiting_.push_back(std::move(r)); }
 
@@ -46,11 +47,46 @@ bool Scheduler::ensure_pages(Request& r, int tokens) {
   return true;
 }
 
+std::vector<int> Scheduler::cached_prefix(const Request& r) const {
+  std::vector<int> hit;
+  if (!pool_.prefix_caching()) return hit;
+  const int ps = opt_.page_size;
+  std::vector<int32_t> tokens(static_cast<size_t>(ps));
+  // Never the page of the last token: a step must compute that token (its logits give the next one).
+  for (int j = 0; (j + 1) * ps <= r.length() - 1; ++j) {
+    for (int i = 0; i < ps; ++i) tokens[size_t(i)] = r.token_at(j * ps + i);
+    const int page = pool_.lookup(hit.empty() ? -1 : hit.back(), tokens.data());
+    if (page < 0) break;
+    hit.push_back(page);
+  }
+  return hit;
+}
+
+void Scheduler::name_pages(Request& r, int upto) {
+  if (!pool_.prefix_caching()) return;
+  Slot& s = slots_[r.slot];
+  const int ps = opt_.page_size;
+  std::vector<int32_t> tokens(static_cast<size_t>(ps));
+  while (!s.unnamed_tail && (s.named + 1) * ps <= upto) {
+    const int j = s.named;
+    for (int i = 0; i < ps; ++i) {
+      tokens[size_t(i)] = r.token_at(j * ps + i);
+      if (tokens[size_t(i)] == kPending) return;  // named once the token is known
+    }
+    if (!pool_.name(s.pages[size_t(j)], j > 0 ? s.pages[size_t(j - 1)] : -1, tokens.data())) {
+      s.unnamed_tail = true;  // the same prefix is cached in other pages already
+      return;
+    }
+    ++s.named;
+  }
+}
+
 void Scheduler::preempt(Request* r) {
   auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == r; });
   QRT_CHECK(it != running_.end(), "preempt: request not running");
   std::unique_ptr<Request> own = std::move(*it);
   running_.erase(it);
+  name_pages(*own, own->computed);  // cached: its recomputation takes them back if nothing reused them
   slots_.release(own->slot, pool_);
   own->slot = -1;
   own->computed = 0;
@@ -72,7 +108,10 @@ std::unique_ptr<Request> Scheduler::remove(Request* r) {
     own = std::move(*wt);
     waiting_.erase(wt);
   }
-  if (own->slot >= 0) slots_.release(own->slot, pool_);
+  if (own->slot >= 0) {
+    name_pages(*own, own->computed);
+    slots_.release(own->slot, pool_);
+  }
   own->slot = -1;
   return own;
 }
@@ -103,6 +142,8 @@ Plan Scheduler::plan() {
       preempt(victim->get());
       continue;  // retry r (or stop if r was the last)
     }
+    // Pages that steps before this one filled: a request admitted below may read them in this step.
+    name_pages(*r, r->computed);
     p.seqs.push_back({r, r->computed, n, r->computed + n == r->length()});
     budget -= n;
     ++i;
@@ -116,16 +157,26 @@ Plan Scheduler::plan() {
   while (budget > 0 && !waiting_.empty() && !waiting_.front()->finishing && slots_.free_count() > 0 &&
          pool_.free_count() > 0 && int(running_.size()) < opt_.max_batch_size) {
     Request* r = waiting_.front().get();
-    const int need = pages_for(r->length()) + expected_growth(*r);
-    if (!running_.empty() && pool_.free_count() - reserved < need) break;
-    int n = std::min({r->length(), budget, pool_.free_count() * ps});
+    const std::vector<int> hit = cached_prefix(*r);
+    int shared = 0;  // hit pages other requests hold: they cost no free page
+    for (int page : hit) shared += pool_.holders(page) > 0;
+    const int need = pages_for(r->length()) + expected_growth(*r) - shared;
+    const int free_after_hit = pool_.free_count() - (int(hit.size()) - shared);
+    if ((!running_.empty() && pool_.free_count() - reserved < need) || free_after_hit < 1) break;
+    const int start = int(hit.size()) * ps;
+    int n = std::min({r->length() - start, budget, free_after_hit * ps});
     r->slot = slots_.acquire();
-    r->computed = 0;
-    ensure_pages(*r, n);
-    reserved += need - int(slots_[r->slot].pages.size());  // the pages it holds left the free count already
+    Slot& slot = slots_[r->slot];
+    for (int page : hit) pool_.retain(page);
+    slot.pages = hit;
+    slot.named = int(hit.size());
+    r->computed = start;
+    cached_tokens_ += start;
+    ensure_pages(*r, start + n);
+    reserved += need - (int(slot.pages.size()) - shared);  // the pages it took left the free count already
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
-    p.seqs.push_back({r, 0, n, n == r->length()});
+    p.seqs.push_back({r, start, n, start + n == r->length()});
     budget -= n;
   }
   if (!p.seqs.empty()) build_input(p);

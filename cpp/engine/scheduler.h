@@ -5,6 +5,10 @@
 // plus the expected growth of every running request, where a request is expected to produce
 // reserve_ratio of its remaining max_tokens. The ratio rises with each preemption (growth was
 // underestimated) and decays a little every step (outputs often stop before max_tokens).
+// Prefix caching: the full pages a request has computed are named in the pool by their tokens; a request
+// admitted later whose tokens start the same way takes those pages instead of computing them again (its first
+// step begins after them). A page is named only once a step before the one being planned filled it (no step
+// reads rows that it also writes), and every request computes its last prompt token itself.
 #pragma once
 #include <deque>
 #include <memory>
@@ -22,6 +26,7 @@ struct SchedulerOptions {
   int page_size = 16;
   int num_pages = 0;
   int max_model_len = 0;
+  bool prefix_caching = true;
 };
 
 struct PlannedSeq {
@@ -55,12 +60,17 @@ class Scheduler {
   int free_pages() const { return pool_.free_count(); }
   int total_pages() const { return pool_.total(); }
   int64_t preemptions() const { return preemptions_; }
+  int cached_pages() const { return pool_.cached_count(); }  // held by no request, kept for their prefix
+  int64_t cached_tokens() const { return cached_tokens_; }    // prompt tokens taken from the cache, not computed
+  const PagePool& pool() const { return pool_; }
 
  private:
   bool ensure_pages(Request& r, int tokens);  // pages for tokens [0, tokens) of r
   int pages_for(int tokens) const;
   int expected_growth(const Request& r) const;  // pages r is expected to add beyond its current length
   void preempt(Request* r);
+  std::vector<int> cached_prefix(const Request& r) const;  // pages of r's leading tokens the cache holds
+  void name_pages(Request& r, int upto);  // names r's full pages within tokens [0, upto), filled by earlier steps
   void build_input(Plan& p);
 
   SchedulerOptions opt_;
@@ -68,7 +78,7 @@ class Scheduler {
   SlotTable slots_;
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
-  int64_t preemptions_ = 0;
+  int64_t preemptions_ = 0, cached_tokens_ = 0;
   static constexpr double kMinReserveRatio = 0.1, kReserveStep = 0.1, kReserveDecay = 0.001;
   double reserve_ratio_ = 0.5;
 };

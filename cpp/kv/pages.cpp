@@ -4,23 +4,86 @@
 
 namespace qrt {
 
-PagePool::PagePool(int n) : total_(n), in_use_(size_t(n), 0) {
+PagePool::PagePool(int n, int page_size, bool prefix_caching)
+    : total_(n), page_size_(page_size), caching_(prefix_caching), pages_(size_t(n)) {
   free_.reserve(n);
   for (int i = n - 1; i >= 0; --i) free_.push_back(i);
 }
 
+size_t PagePool::NameHash::operator()(const Name& n) const {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  mix(uint64_t(uint32_t(n.parent)));
+  mix(n.parent_gen);
+  for (int32_t t : n.tokens) mix(uint64_t(uint32_t(t)));
+  return size_t(h ^ (h >> 29));
+}
+
+PagePool::Name PagePool::make_name(int parent, const int32_t* tokens) const {
+  return Name{parent, parent >= 0 ? pages_[size_t(parent)].gen : 0u,
+              std::vector<int32_t>(tokens, tokens + page_size_)};
+}
+
+void PagePool::drop_name(Page& p) {
+  if (!p.named) return;
+  named_.erase(p.name);
+  p.named = false;
+  p.name = Name{};
+  ++p.gen;  // names that follow this page (children) no longer match anything
+}
+
 int PagePool::alloc() {
-  if (free_.empty()) return -1;
-  const int p = free_.back();
-  free_.pop_back();
-  in_use_[p] = 1;
-  return p;
+  int id;
+  if (!free_.empty()) {
+    id = free_.back();
+    free_.pop_back();
+  } else if (!lru_.empty()) {
+    id = lru_.front();
+    lru_.pop_front();
+    drop_name(pages_[size_t(id)]);
+  } else {
+    return -1;
+  }
+  pages_[size_t(id)].holders = 1;
+  return id;
+}
+
+void PagePool::retain(int page) {
+  QRT_CHECK(page >= 0 && page < total_, "page ", page, " outside the pool");
+  Page& p = pages_[size_t(page)];
+  QRT_CHECK(p.holders > 0 || p.named, "page ", page, " retained but neither held nor cached");
+  if (p.holders == 0) lru_.erase(p.lru);
+  ++p.holders;
 }
 
 void PagePool::release(int page) {
-  QRT_CHECK(page >= 0 && page < total_ && in_use_[page], "page ", page, " released but not in use");
-  in_use_[page] = 0;
-  free_.push_back(page);
+  QRT_CHECK(page >= 0 && page < total_ && pages_[size_t(page)].holders > 0, "page ", page,
+            " released but not held");
+  Page& p = pages_[size_t(page)];
+  if (--p.holders > 0) return;
+  if (p.named) {
+    p.lru = lru_.insert(lru_.end(), page);
+  } else {
+    free_.push_back(page);
+  }
+}
+
+bool PagePool::name(int page, int parent, const int32_t* tokens) {
+  Page& p = pages_[size_t(page)];
+  QRT_CHECK(p.holders > 0, "page ", page, " named but not held");
+  if (!caching_ || p.named) return caching_ && p.named;
+  Name n = make_name(parent, tokens);
+  if (named_.count(n)) return false;
+  named_.emplace(n, page);
+  p.name = std::move(n);
+  p.named = true;
+  return true;
+}
+
+int PagePool::lookup(int parent, const int32_t* tokens) const {
+  if (!caching_) return -1;
+  auto it = named_.find(make_name(parent, tokens));
+  return it == named_.end() ? -1 : it->second;
 }
 
 int SlotTable::free_count() const {
@@ -41,6 +104,7 @@ int SlotTable::acquire() {
 
 void SlotTable::release(int i, PagePool& pool) {
   Slot& s = slots_[i];
+  // Last page first: the cache then drops a prefix's tail before its head (a head without its tail still hits).
   for (auto it = s.pages.rbegin(); it != s.pages.rend(); ++it) pool.release(*it);
   s = Slot{};
 }

@@ -1,29 +1,76 @@
-// PagePool: which pages are free (host bookkeeping, shared by all ranks).
+// PagePool: who holds each page, and the prefix cache (host bookkeeping, shared by all ranks).
 // SlotTable: each slot's page list and cached length.
 // Host-only: the scheduler and its simulation test (tests/scheduler_sim.cpp) build them without a backend.
 #pragma once
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <unordered_map>
 #include <vector>
 
 namespace qrt {
 
+// A page is free, held (by one or more slots), or cached: held by none, but its K/V are those of a known prefix,
+// so a request that starts with that prefix can take it back instead of computing it again. alloc() reuses
+// free pages first, then cached ones, least recently released first.
+//
+// A cached page is named by its content: the page before it in the prefix (its id and generation: the
+// generation changes whenever a page's content is dropped, so a name never outlives what it names) and its
+// own page_size tokens. Names are exact (no hash is trusted alone), so a hit always has the right K/V.
 class PagePool {
  public:
-  explicit PagePool(int num_pages);
+  PagePool(int num_pages, int page_size, bool prefix_caching);
   int total() const { return total_; }
-  int free_count() const { return int(free_.size()); }
-  int alloc();           // a page id, or -1 when none is free
-  void release(int page);
+  int free_count() const { return int(free_.size() + lru_.size()); }  // pages alloc() can hand out
+  int cached_count() const { return int(lru_.size()); }
+  bool prefix_caching() const { return caching_; }
+  int alloc();              // a page with one holder, or -1 when none is free or cached
+  void retain(int page);    // one more holder of a page that lookup() found (held or cached)
+  void release(int page);   // one holder fewer; with none left it is cached if it has a name, else free
+  int holders(int page) const { return pages_[size_t(page)].holders; }
+
+  // Names page (held, full, its K/V written or being written by a launched step) as the one after `parent`
+  // (-1: the first of a prefix) holding tokens[0, page_size). False when another page has that name already or
+  // caching is off: the page stays unnamed.
+  bool name(int page, int parent, const int32_t* tokens);
+  // The page named as following `parent` with these tokens, or -1.
+  int lookup(int parent, const int32_t* tokens) const;
 
  private:
-  int total_;
-  std::vector<int> free_;     // stack: most recently freed first
-  std::vector<char> in_use_;  // per page: handed out and not yet released (a second release is a bug: it throws)
+  struct Name {
+    int parent;
+    uint32_t parent_gen;
+    std::vector<int32_t> tokens;
+    bool operator==(const Name& o) const {
+      return parent == o.parent && parent_gen == o.parent_gen && tokens == o.tokens;
+    }
+  };
+  struct NameHash {
+    size_t operator()(const Name& n) const;
+  };
+  struct Page {
+    int holders = 0;
+    uint32_t gen = 0;
+    bool named = false;
+    Name name;
+    std::list<int>::iterator lru;  // valid while cached
+  };
+  Name make_name(int parent, const int32_t* tokens) const;
+  void drop_name(Page& p);
+
+  int total_, page_size_;
+  bool caching_;
+  std::vector<Page> pages_;
+  std::vector<int> free_;  // stack: most recently freed first
+  std::list<int> lru_;     // cached pages, least recently released first
+  std::unordered_map<Name, int, NameHash> named_;
 };
 
 struct Slot {
   bool used = false;
   std::vector<int> pages;
-  int length = 0;  // tokens whose K/V are in the pages
+  int named = 0;   // pages [0, named) are named in the pool's prefix cache
+  bool unnamed_tail = false;  // a page could not be named (its content is cached under another): none after it is
 };
 
 class SlotTable {

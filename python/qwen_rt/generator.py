@@ -271,7 +271,7 @@ class Generator:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
-                 progress: bool = True):
+                 enable_prefix_caching: bool = True, progress: bool = True):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -302,7 +302,8 @@ class Generator:
             raise TypeError(f"gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        for name, v in (("cuda_graphs", cuda_graphs), ("progress", progress)):
+        for name, v in (("cuda_graphs", cuda_graphs), ("enable_prefix_caching", enable_prefix_caching),
+                        ("progress", progress)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if load_format not in ("auto", "dummy"):
@@ -348,6 +349,7 @@ class Generator:
         opts.cuda_graphs = cuda_graphs
         opts.comm = comm
         opts.comm_timeout_s = float(comm_timeout)
+        opts.prefix_caching = enable_prefix_caching
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]
