@@ -183,6 +183,32 @@ def bench_offline(model: str, limits: dict, rng, n_fixed=512, n_random=1000) -> 
     return rows
 
 
+def bench_prefix(model: str, rng, n=256, prefix_len=2048, suffix_len=64, new_tokens=64) -> list[dict]:
+    """n requests that share a prefix_len-token prefix (a system prompt) and go on with suffix_len tokens of their
+    own, submitted at once, with the prefix cache on and off: seconds and tokens/s of the whole batch."""
+    rows = []
+    for caching in (True, False):
+        g = _gen(model, max_batch_size=n, max_model_len=prefix_len + suffix_len + new_tokens + 16,
+                 max_num_batched_tokens=16384, enable_prefix_caching=caching)
+        V = g.config["vocab_size"]
+        try:
+            g.generate(_prompts(rng, 8, 128, V), max_tokens=8, ignore_eos=True)
+            shared = _prompts(rng, 1, prefix_len, V)[0]
+            ps = [shared + s for s in _prompts(rng, n, suffix_len, V)]
+            before = g.stats()["cached_tokens"]
+            t = time.perf_counter(); outs = g.generate(ps, max_tokens=new_tokens, ignore_eos=True, temperature=0)
+            el = time.perf_counter() - t
+            toks = sum(len(o.token_ids) for o in outs)
+            rows.append({"model": model, "workload": f"{n} x ({prefix_len} shared + {suffix_len})/{new_tokens}",
+                         "prefix_caching": caching, "seconds": round(el, 2), "output_tok_s": round(toks / el, 1),
+                         "prompt_tok_s": round(n * (prefix_len + suffix_len) / el, 1),
+                         "cached_tokens": g.stats()["cached_tokens"] - before})
+            log(rows[-1])
+        finally:
+            g.close()
+    return rows
+
+
 def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
     rows = []
     g = _gen(model, max_batch_size=4, max_model_len=max(lengths) + 16, max_num_batched_tokens=8192)
@@ -291,7 +317,7 @@ def side_by_side(decode_rows: list[dict], hf_rows: list[dict]) -> list[dict]:
 def add_parser(sub) -> None:
     p = sub.add_parser("gpu", help="qwen_rt on the GPU: decode/offline/prefill/startup vs the roofline and transformers")
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
-    p.add_argument("--parts", default="decode,offline,prefill,hf,startup")
+    p.add_argument("--parts", default="decode,offline,prefix,prefill,hf,startup")
     p.add_argument("--decode-batches", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -338,6 +364,9 @@ def run(args) -> int:
     if "offline" in parts:
         rec["offline"] = bench_offline(args.offline_model, limits, rng, n_random=args.offline_random)
         print_table(rec["offline"])
+    if "prefix" in parts:
+        rec["prefix"] = bench_prefix(args.offline_model, rng)
+        print_table(rec["prefix"])
     if "prefill" in parts:
         rec["prefill"] = bench_prefill(args.prefill_model, [int(x) for x in args.prefill_lengths.split(",")], limits, rng)
         print_table(rec["prefill"])
