@@ -80,7 +80,19 @@ struct RowTag {
   int64_t id = -1;
   int pos = -1;
   int32_t token = -1;
+  uint64_t context = 0;  // hash of the writer's tokens [0, pos]: the K/V of a row depend on all of them
 };
+
+// Hashes of a token sequence's prefixes: h[i] covers tokens [0, i].
+std::vector<uint64_t> prefix_hashes(const std::vector<int32_t>& tokens) {
+  std::vector<uint64_t> h;
+  uint64_t x = 88172645463325252ull;
+  for (int32_t t : tokens) {
+    x = (x ^ (uint64_t(t) + 0x51ed27)) * 0x100000001b3ull;
+    h.push_back(x ^ (x >> 31));
+  }
+  return h;
+}
 
 struct Flight {
   Plan plan;
@@ -97,6 +109,7 @@ struct Sim {
   std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page)
   std::vector<int32_t> device_sampled;  // the last step's sampled tokens, as token_src reads them
   std::map<int64_t, std::vector<int32_t>> prompts, published;
+  std::map<int64_t, std::vector<uint64_t>> contexts;  // prefix hashes of each request's prompt and expected output
   std::map<int64_t, Expected> expected;
   std::map<int64_t, Finish> ended;
   std::set<int64_t> penalized, admitted;
@@ -134,9 +147,24 @@ struct Sim {
   }
 
   // The device's part: K/V rows written, then each sampled sequence's context read back and a token drawn.
+  // The row of position j that sequence s of a step reads must hold its own token there, computed from its own
+  // tokens before it (written by it, or by another request with the same prefix).
+  void check_row(const Plan& p, size_t s, int j) {
+    const StepInput& in = p.input;
+    const int ps = opt.page_size;
+    const Request& r = *p.seqs[s].req;
+    const RowTag& tag = kv[size_t(in.page_table[s * in.max_pages + j / ps] * ps + j % ps)];
+    const auto& h = contexts[r.id];
+    if (tag.pos != j || size_t(j) >= h.size() || tag.context != h[size_t(j)])
+      FAIL("request %lld reads position %d from a row of request %lld position %d token %d, another context",
+           (long long)r.id, j, (long long)tag.id, tag.pos, tag.token);
+    if (tag.id != r.id) shared_reads++;
+  }
+
   std::vector<int32_t> run_on_device(const Plan& p) {
     const StepInput& in = p.input;
     const int ps = opt.page_size;
+    std::set<int> written;  // rows this step writes
     int k = 0;
     for (size_t s = 0; s < p.seqs.size(); ++s) {
       const auto& q = p.seqs[s];
@@ -154,26 +182,28 @@ struct Sim {
         if (sched->pool().holders(row / ps) != 1)
           FAIL("request %lld writes position %d into page %d, which %d requests hold", (long long)q.req->id, i,
                row / ps, sched->pool().holders(row / ps));
-        kv[row] = RowTag{q.req->id, i, t};
+        const auto& h = contexts[q.req->id];
+        kv[size_t(row)] = RowTag{q.req->id, i, t, size_t(i) < h.size() ? h[size_t(i)] : 0};
+        written.insert(row);
       }
     }
+    // Every sequence's attention reads the rows before its chunk: none of them may be one this step writes (the
+    // kernels do not order one sequence's K/V writes before another's reads).
+    for (size_t s = 0; s < p.seqs.size(); ++s)
+      for (int j = 0; j < p.seqs[s].first; ++j) {
+        const int row = in.page_table[s * in.max_pages + j / ps] * ps + j % ps;
+        if (written.count(row))
+          FAIL("request %lld reads position %d from a row this step writes", (long long)p.seqs[s].req->id, j);
+        check_row(p, s, j);
+      }
     std::vector<int32_t> sampled;
     for (size_t s = 0; s < p.seqs.size(); ++s) {
       const auto& q = p.seqs[s];
       if (!q.sample) continue;
-      // Rows may have been written by another request with the same prefix: what must match is the content.
       std::vector<int32_t> context;
-      const auto& prompt = prompts[q.req->id];
-      const auto& want_out = expected[q.req->id].tokens;
       for (int j = 0; j < in.ctx_len[s]; ++j) {
-        const RowTag& tag = kv[in.page_table[s * in.max_pages + j / ps] * ps + j % ps];
-        const size_t o = size_t(j) - prompt.size();
-        const int32_t want = j < int(prompt.size()) ? prompt[size_t(j)] : o < want_out.size() ? want_out[o] : -9;
-        if (tag.pos != j || tag.token != want)
-          FAIL("request %lld reads position %d (token %d) from a row of request %lld position %d token %d",
-               (long long)q.req->id, j, want, (long long)tag.id, tag.pos, tag.token);
-        if (tag.id != q.req->id) shared_reads++;
-        context.push_back(tag.token);
+        check_row(p, s, j);
+        context.push_back(kv[size_t(in.page_table[s * in.max_pages + j / ps] * ps + j % ps)].token);
       }
       sampled.push_back(next_token(context, banned_tokens(q.req->opts, int(q.req->output.size()))));
     }
@@ -271,9 +301,18 @@ void run_seed(uint64_t seed, Totals& t) {
       if (prompt_len + max_tokens > sim.opt.max_model_len || prompt_len + max_tokens - 1 > capacity) continue;
       auto r = std::make_unique<Request>();
       r->id = next_id++;
-      const auto& family = families[size_t(U(0, 2))];
-      const int shared = U(0, 1) ? U(0, prompt_len) : 0;
-      for (int i = 0; i < prompt_len; ++i) r->prompt.push_back(i < shared ? family[size_t(i)] : U(0, kVocab - 1));
+      // The tokens a prompt starts with: a shared sequence's, or an earlier request's prompt (the same prompt
+      // again) or its prompt and expected output (the next turn of a conversation), or none.
+      std::vector<int32_t> lead = families[size_t(U(0, 2))];
+      const int kind = U(0, 5);
+      if (kind >= 4 && !sim.prompts.empty()) {
+        const int64_t earlier = int64_t(U(1, int(sim.prompts.size())));
+        lead = sim.prompts[earlier];
+        if (kind == 5) lead.insert(lead.end(), sim.expected[earlier].tokens.begin(), sim.expected[earlier].tokens.end());
+      }
+      const int shared = kind == 4 ? prompt_len : U(0, 1) ? U(0, prompt_len) : 0;
+      for (int i = 0; i < prompt_len; ++i)
+        r->prompt.push_back(i < shared && i < int(lead.size()) ? lead[size_t(i)] : U(0, kVocab - 1));
       r->opts.max_tokens = max_tokens;
       r->opts.min_tokens = U(0, 2) == 0 ? U(0, max_tokens) : 0;
       r->opts.ignore_eos = U(0, 1);
@@ -282,6 +321,9 @@ void run_seed(uint64_t seed, Totals& t) {
       if (U(0, 4) == 0) sim.penalized.insert(r->id);
       sim.prompts[r->id] = r->prompt;
       sim.expected[r->id] = run_alone(r->prompt, r->opts, sim.opt.max_model_len);
+      std::vector<int32_t> all = r->prompt;
+      all.insert(all.end(), sim.expected[r->id].tokens.begin(), sim.expected[r->id].tokens.end());
+      sim.contexts[r->id] = prefix_hashes(all);
       sim.sched->add(std::move(r));
     }
     if (cancels && U(0, 49) == 0) {  // a cancel as the engine's loop applies it, before planning

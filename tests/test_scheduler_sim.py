@@ -29,7 +29,7 @@ def _build(tmp_path: Path) -> Path:
 def test_scheduler_simulation(tmp_path):
     exe = _build(tmp_path)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
-    r = subprocess.run([str(exe), "3000"], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([str(exe), "15000"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.startswith("ok ("), r.stdout[-3000:] + r.stderr[-3000:]
     # The workloads share prefixes: the cache must have been used, and its pages read by other requests.
     counts = [int(w) for w in r.stdout.replace("(", " ").split() if w.isdigit()]

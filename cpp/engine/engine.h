@@ -36,7 +36,7 @@ struct EngineStats {
   int free_slots = 0, total_slots = 0, free_pages = 0, total_pages = 0, running = 0, waiting = 0;
   int cached_pages = 0;             // pages no request holds, kept for their prefix (counted in free_pages)
   int64_t preemptions = 0, steps = 0;
-  int64_t cached_tokens = 0;        // prompt tokens taken from the prefix cache instead of computed
+  int64_t cached_tokens = 0;        // tokens whose K/V came from the prefix cache instead of a step
   int max_model_len = 0, page_size = 0;
   size_t weight_bytes = 0, kv_bytes = 0;
 };

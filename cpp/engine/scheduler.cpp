@@ -67,16 +67,22 @@ void Scheduler::name_pages(Request& r, int upto) {
   Slot& s = slots_[r.slot];
   const int ps = opt_.page_size;
   std::vector<int32_t> tokens(static_cast<size_t>(ps));
-  while (!s.unnamed_tail && (s.named + 1) * ps <= upto) {
+  while (!s.naming_stopped && (s.named + 1) * ps <= upto) {
     const int j = s.named;
     for (int i = 0; i < ps; ++i) {
       tokens[size_t(i)] = r.token_at(j * ps + i);
       if (tokens[size_t(i)] == kPending) return;  // named once the token is known
     }
-    if (!pool_.name(s.pages[size_t(j)], j > 0 ? s.pages[size_t(j - 1)] : -1, tokens.data())) {
-      s.unnamed_tail = true;  // the same prefix is cached in other pages already
+    // Where another page holds this content already (requests that computed one prefix side by side), the
+    // prefix goes on from that page: what follows is still found. That page is not held by this request, so its
+    // content may go (its generation changes) before the next page is full: naming stops there.
+    const int tail = pool_.name(s.pages[size_t(j)], s.named_tail, s.named_tail_gen, tokens.data());
+    if (tail < 0) {
+      s.naming_stopped = true;
       return;
     }
+    s.named_tail = tail;
+    s.named_tail_gen = pool_.generation(tail);
     ++s.named;
   }
 }
@@ -170,6 +176,8 @@ Plan Scheduler::plan() {
     for (int page : hit) pool_.retain(page);
     slot.pages = hit;
     slot.named = int(hit.size());
+    slot.named_tail = hit.empty() ? -1 : hit.back();
+    slot.named_tail_gen = hit.empty() ? 0u : pool_.generation(hit.back());
     r->computed = start;
     cached_tokens_ += start;
     ensure_pages(*r, start + n);

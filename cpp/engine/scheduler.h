@@ -61,7 +61,8 @@ class Scheduler {
   int total_pages() const { return pool_.total(); }
   int64_t preemptions() const { return preemptions_; }
   int cached_pages() const { return pool_.cached_count(); }  // held by no request, kept for their prefix
-  int64_t cached_tokens() const { return cached_tokens_; }    // prompt tokens taken from the cache, not computed
+  // Tokens whose K/V came from the cache instead of a step (a preempted request taking its own pages back too).
+  int64_t cached_tokens() const { return cached_tokens_; }
   const PagePool& pool() const { return pool_; }
 
  private:

@@ -68,16 +68,21 @@ void PagePool::release(int page) {
   }
 }
 
-bool PagePool::name(int page, int parent, const int32_t* tokens) {
+int PagePool::name(int page, int parent, uint32_t parent_gen, const int32_t* tokens) {
   Page& p = pages_[size_t(page)];
   QRT_CHECK(p.holders > 0, "page ", page, " named but not held");
-  if (!caching_ || p.named) return caching_ && p.named;
+  if (!caching_ || (parent >= 0 && pages_[size_t(parent)].gen != parent_gen)) return -1;
   Name n = make_name(parent, tokens);
-  if (named_.count(n)) return false;
+  if (p.named) {
+    QRT_CHECK(p.name == n, "page ", page, " named twice, with different contents");
+    return page;
+  }
+  auto it = named_.find(n);
+  if (it != named_.end()) return it->second;
   named_.emplace(n, page);
   p.name = std::move(n);
   p.named = true;
-  return true;
+  return page;
 }
 
 int PagePool::lookup(int parent, const int32_t* tokens) const {

@@ -30,9 +30,12 @@ class PagePool {
   int holders(int page) const { return pages_[size_t(page)].holders; }
 
   // Names page (held, full, its K/V written or being written by a launched step) as the one after `parent`
-  // (-1: the first of a prefix) holding tokens[0, page_size). False when another page has that name already or
-  // caching is off: the page stays unnamed.
-  bool name(int page, int parent, const int32_t* tokens);
+  // (-1: the first of a prefix) holding tokens[0, page_size), where parent_gen is the parent's generation
+  // when it was found. Returns the page that bears the name: this one, or another page that bore it already
+  // (same content: this one stays unnamed; the prefix goes on from that one). -1 when caching is off or the
+  // parent's content went since (its generation changed): nothing after it can be named.
+  int name(int page, int parent, uint32_t parent_gen, const int32_t* tokens);
+  uint32_t generation(int page) const { return pages_[size_t(page)].gen; }
   // The page named as following `parent` with these tokens, or -1.
   int lookup(int parent, const int32_t* tokens) const;
 
@@ -69,8 +72,12 @@ class PagePool {
 struct Slot {
   bool used = false;
   std::vector<int> pages;
-  int named = 0;   // pages [0, named) are named in the pool's prefix cache
-  bool unnamed_tail = false;  // a page could not be named (its content is cached under another): none after it is
+  // Prefix cache: the content of pages [0, named) is named in the pool, the last of it under named_tail (pages[named
+  // - 1], or a page of the same content that another request filled first) of generation named_tail_gen.
+  int named = 0;
+  int named_tail = -1;
+  uint32_t named_tail_gen = 0;
+  bool naming_stopped = false;  // named_tail's content went before the next page could be named
 };
 
 class SlotTable {
