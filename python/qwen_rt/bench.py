@@ -259,11 +259,14 @@ def run_cpu(args) -> int:
                 for dtype in _csv(args.dtype):
                     folder = folders.get(dtype, folders["float32"])
                     try:
+                        # No prefix cache: the timed runs repeat the warm-up's prompts, which transformers
+                        # computes again each time.
                         kw = dict(device="cpu", dtype=dtype, max_batch_size=max(batch_sizes),
-                                  max_model_len=max(P + N + 16, 256), seed=args.seed)
+                                  max_model_len=max(P + N + 16, 256), seed=args.seed, enable_prefix_caching=False)
                         try:
                             gen = Generator(str(folder), num_threads=threads, progress=False, **kw)
-                        except TypeError:  # a Generator without num_threads
+                        except TypeError:  # an older Generator (no num_threads, no prefix cache)
+                            kw.pop("enable_prefix_caching")
                             gen = Generator(str(folder), **kw)
                     except Exception as e:
                         log(f"qwen_rt {dtype}: Generator failed: {type(e).__name__}: {e}")

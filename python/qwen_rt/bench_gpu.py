@@ -100,8 +100,11 @@ TP = 1  # --tensor-parallel-size
 
 
 def _gen(model, **kw):
+    """A Generator for the bench. No prefix cache unless asked: the parts time prompts they ran before (warm-ups,
+    repeats), which must be computed again as transformers computes them."""
     from qwen_rt import Generator
     kw.setdefault("tensor_parallel_size", TP)
+    kw.setdefault("enable_prefix_caching", False)
     return Generator(model, device="cuda", dtype="bfloat16", load_format=kw.pop("load_format", "dummy"),
                      progress=False, **kw)
 
@@ -286,7 +289,8 @@ def bench_startup(model: str, rng) -> list[dict]:
         os.sync()
         from qwen_rt import Generator
         t = time.perf_counter()
-        g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096, tensor_parallel_size=TP)
+        g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096, tensor_parallel_size=TP,
+                      enable_prefix_caching=False)
         t_init = time.perf_counter() - t
         g.generate([[1, 2, 3, 4]], max_tokens=1)
         t_first = time.perf_counter() - t
