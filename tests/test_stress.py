@@ -13,8 +13,10 @@ import models as M
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp):
+@pytest.mark.parametrize("tp,shared", [(1, False), (2, False), (1, True)])
+def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp, shared):
+    """shared: every prompt starts with one 16-token page (the prefix cache serves it to requests, cancelled and
+    preempted ones included, while they come and go)."""
     folder = build("qwen3_gqa4")
     gen = fresh_gen(folder, tensor_parallel_size=tp, max_batch_size=6, max_model_len=64,
                     max_num_batched_tokens=20, kv_cache_memory=M.kv_bytes(folder, 7, 16))
@@ -22,7 +24,11 @@ def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp):
     # Outputs longer than prompts: three concurrent requests outgrow the 7 pages whatever admission reserved.
     lens = [int(x) for x in rng.integers(3, 21, size=36)]
     mts = [int(x) for x in rng.integers(24, 45, size=36)]
-    prompts = M.pick_prompts(folder, seed=77, lengths=lens, max_new=44)
+    if shared:
+        prompts = M.shared_prefix_prompts(folder, seed=78, prefix_len=16, suffix_lens=[max(1, n - 16) for n in lens],
+                                          max_new=44)
+    else:
+        prompts = M.pick_prompts(folder, seed=77, lengths=lens, max_new=44)
     results, errors = {}, []
 
     def client(k):
@@ -58,6 +64,7 @@ def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp):
     assert s["free_slots"] == s["total_slots"] and s["free_pages"] == s["total_pages"], s
     assert s["running"] == 0 and s["waiting"] == 0, s
     assert s["preemptions"] > 0, s  # the pool was small enough to force recomputation
+    assert s["cached_tokens"] > 0 or not shared, s
 
 
 def test_seeded_sampling_survives_preemption(build, fresh_gen, idle):
