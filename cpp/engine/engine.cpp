@@ -152,7 +152,6 @@ struct Engine::Impl {
       }
     };
     for (size_t r = 1; r < ranks.size(); ++r) workers[r - 1]->post([&job, r] { job(int(r)); });
-    std::exception_ptr late_err;
     try {
       job(0);
     } catch (...) {
@@ -163,13 +162,17 @@ struct Engine::Impl {
         workers[r - 1]->wait(timeout_s);
       } catch (...) {
         std::lock_guard<std::mutex> lk(first_mu);
-        if (!first && !late_err) late_err = std::current_exception();  // a timeout: the job still runs
-        late = late || !workers[r - 1]->done();
+        if (!workers[r - 1]->done()) {  // the timeout: the job still runs (its own error, if any, is in `first`)
+          late = true;
+          if (!first) first = std::current_exception();  // before the aborts below make the job throw too
+        }
       }
     }
     if (late) {
       // A rank outlived the timeout, and its job refers to this frame: end the collectives it may wait in, and
-      // return only once every job is over.
+      // return only once every job is over. This thread's rank drops its graphs first (NCCL's teardown waits for
+      // graphs that captured its collectives); a late rank's are its own thread's to drop.
+      abort_collectives(ranks[0]);
       for (auto& rk : ranks)
         if (rk.comm) rk.comm->abort();
       for (auto& w : workers) {
@@ -181,7 +184,6 @@ struct Engine::Impl {
     }
     std::lock_guard<std::mutex> lk(first_mu);
     if (first) std::rethrow_exception(first);
-    if (late_err) std::rethrow_exception(late_err);
   }
   // Ends a failed rank's collectives: its graphs go first, as NCCL's teardown waits for those that captured them.
   static void abort_collectives(Rank& rk) noexcept {
