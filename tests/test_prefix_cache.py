@@ -34,6 +34,8 @@ def test_shared_prefix_equals_uncached_and_transformers(build, fresh_gen, tp):
             assert da.keys() == db.keys()
             assert max(abs(da[k] - db[k]) for k in da) < 1e-4
     assert on.stats()["cached_tokens"] == 6 * 3 * PAGE  # every later request skipped the 3 prefix pages
+    assert [c.cached_tokens for c in results["on"]] == [0] + [3 * PAGE] * 6
+    assert all(c.cached_tokens == 0 for c in results["off"])
     assert off.stats()["cached_tokens"] == 0 and off.stats()["cached_pages"] == 0
     assert on.stats()["cached_pages"] > 0
 
@@ -67,9 +69,10 @@ def test_next_turn_reuses_the_conversation_so_far(build, fresh_gen):
     follow = M.random_prompt(np.random.default_rng(9), 7, info["vocab_size"], info["specials"])
     p2 = p1 + a1 + follow
     before = gen.stats()["cached_tokens"]
-    a2 = gen.generate([p2], max_tokens=5, **GREEDY)[0].token_ids
+    c2 = gen.generate([p2], max_tokens=5, **GREEDY)[0]
+    a2 = c2.token_ids
     computed = len(p1) + len(a1) - 1
-    assert gen.stats()["cached_tokens"] - before == computed // PAGE * PAGE
+    assert gen.stats()["cached_tokens"] - before == computed // PAGE * PAGE == c2.cached_tokens
     off = fresh_gen(folder, max_batch_size=4, enable_prefix_caching=False)
     assert a2 == off.generate([p2], max_tokens=5, **GREEDY)[0].token_ids
 

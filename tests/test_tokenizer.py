@@ -664,6 +664,7 @@ class _Out:
     def __init__(self, tokens, finish_reason=None):
         self.tokens, self.finish_reason, self.error = tokens, finish_reason, ""
         self.top_n, self.top_ids, self.top_logprobs, self.logprobs = 0, [], [], [0.0] * len(tokens)
+        self.cached_tokens = 0
 
 
 class _ClosingGen:

@@ -97,6 +97,7 @@ NB_MODULE(_core, m) {
       .def_ro("top_ids", &RequestOutput::top_ids)
       .def_ro("top_logprobs", &RequestOutput::top_logprobs)
       .def_ro("top_n", &RequestOutput::top_n)
+      .def_ro("cached_tokens", &RequestOutput::cached_tokens)
       .def_prop_ro("finish_reason", [](const RequestOutput& o) -> nb::object {
         if (o.finish == Finish::None) return nb::none();
         return nb::str(finish_name(o.finish));

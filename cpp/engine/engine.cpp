@@ -367,6 +367,7 @@ void Engine::Impl::update_snapshot() {
 void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
   if (released.count(r.id)) return;
   RequestOutput& o = channels[r.id];
+  o.cached_tokens = r.cached;
   o.tokens.push_back(res.tokens[row]);
   o.logprobs.push_back(res.logprobs[row]);
   o.top_n = r.opts.logprobs;
@@ -379,6 +380,7 @@ void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {
 void Engine::Impl::end_channel(const Request& r, Finish f, const std::string& error) {
   if (released.erase(r.id)) return;
   RequestOutput& o = channels[r.id];
+  o.cached_tokens = r.cached;
   o.finish = f;
   o.error = error;
   o.top_n = r.opts.logprobs;
@@ -672,6 +674,7 @@ RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
   RequestOutput o = std::move(it->second);
   it->second = RequestOutput{};
   it->second.top_n = o.top_n;
+  it->second.cached_tokens = o.cached_tokens;
   if (o.finish != Finish::None) m.channels.erase(it);
   return o;
 }

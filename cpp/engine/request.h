@@ -36,6 +36,7 @@ struct RequestOutput {
   int top_n = 0;
   Finish finish = Finish::None;
   std::string error;
+  int cached_tokens = 0;  // prompt tokens whose K/V the prefix cache gave at the request's first admission
 };
 
 // While a step is in flight, the token it samples for a request is already in `output` as kPending (the
@@ -53,6 +54,7 @@ struct Request {
   int slot = -1;
   int computed = 0;         // tokens whose K/V are in the cache (or being written by a launched step)
   int preempted = 0;        // times preempted
+  int cached = 0;           // prompt tokens the prefix cache gave at the first admission (not computed)
   int pending_row = -1;     // row of the in-flight step's sampling that gives output.back() (when kPending)
   bool finishing = false;   // the pending token is its last (length limit): nothing more to plan
   bool finished = false;    // finished or cancelled; kept alive only while an in-flight step refers to it

@@ -180,6 +180,7 @@ Plan Scheduler::plan() {
     slot.named_tail_gen = hit.empty() ? 0u : pool_.generation(hit.back());
     r->computed = start;
     cached_tokens_ += start;
+    if (r->preempted == 0) r->cached = start;
     ensure_pages(*r, start + n);
     reserved += need - (int(slot.pages.size()) - shared);  // the pages it took left the free count already
     running_.push_back(std::move(waiting_.front()));

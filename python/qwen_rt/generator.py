@@ -102,6 +102,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache gave (known once the request has produced a token)
         self._detok = IncrementalDetokenizer(gen.tokenizer) if gen.tokenizer is not None else None
         stops = params.stop_strings()
         self._stop = StopMatcher(stops) if stops else None
@@ -132,6 +133,7 @@ class Request:
         if out.error:
             self.finish_reason = "error"
             raise RuntimeError(out.error)
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         tokens = list(out.tokens)
         reason = out.finish_reason
         if not tokens and reason is None:
@@ -213,7 +215,8 @@ class Request:
         with self._lock:
             return Completion(text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason or "",
                               prompt_token_ids=list(self.prompt_token_ids),
-                              logprobs=None if self.logprobs is None else [dict(d) for d in self.logprobs])
+                              logprobs=None if self.logprobs is None else [dict(d) for d in self.logprobs],
+                              cached_tokens=self.cached_tokens)
 
     def cancel(self) -> None:
         """Stops the request; what it produced until then stays in token_ids, text and logprobs. A request that

@@ -150,6 +150,7 @@ class Completion:
     finish_reason: str            # "stop" | "length" | "cancelled"
     prompt_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
+    cached_tokens: int = 0        # prompt tokens whose K/V came from the prefix cache (not computed)
 
 
 @dataclass
