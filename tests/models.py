@@ -416,15 +416,17 @@ def kv_bytes(folder, pages: int, page_size: int = 16, dtype_bytes: int = 4) -> i
 
 
 def pick_prompts(folder, seed: int, lengths, max_new: int, margin: float = MARGIN,
-                 no_specials_out: bool = False) -> list[list[int]]:
+                 no_specials_out: bool = False, prefix_len: int = 0) -> list[list[int]]:
     """One random prompt per length (no special ids in it), redrawn until transformers' greedy
-    continuation of max_new tokens has a top-2 gap >= margin at every step (deterministic)."""
+    continuation of max_new tokens has a top-2 gap >= margin at every step (deterministic).
+    prefix_len: every prompt starts with one random prefix of that many tokens, then has `length` of its own."""
     info = model_info(folder)
     rng = np.random.default_rng(seed)
+    prefix = random_prompt(rng, prefix_len, info["vocab_size"], info["specials"]) if prefix_len else []
     out = []
     for n in lengths:
         for _attempt in range(50):
-            p = random_prompt(rng, n, info["vocab_size"], info["specials"])
+            p = prefix + random_prompt(rng, n, info["vocab_size"], info["specials"])
             if min(hf_greedy_margins(folder, p, max_new)) < margin:
                 continue
             if no_specials_out and set(hf_greedy(folder, p, max_new)) & set(info["specials"]):
@@ -433,24 +435,6 @@ def pick_prompts(folder, seed: int, lengths, max_new: int, margin: float = MARGI
             break
         else:
             raise AssertionError(f"fixture: no well-conditioned prompt of length {n}")
-    return out
-
-
-def shared_prefix_prompts(folder, seed: int, prefix_len: int, suffix_lens, max_new: int) -> list[list[int]]:
-    """Prompts of one random prefix and random suffixes, each redrawn until transformers' greedy continuation is
-    well conditioned (an exact comparison is safe)."""
-    info = model_info(folder)
-    rng = np.random.default_rng(seed)
-    prefix = random_prompt(rng, prefix_len, info["vocab_size"], info["specials"])
-    out = []
-    for n in suffix_lens:
-        for _ in range(50):
-            p = prefix + random_prompt(rng, n, info["vocab_size"], info["specials"])
-            if min(hf_greedy_margins(folder, p, max_new)) >= MARGIN:
-                out.append(p)
-                break
-        else:
-            raise AssertionError(f"fixture: no well-conditioned suffix of length {n}")
     return out
 
 

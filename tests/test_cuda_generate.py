@@ -236,7 +236,7 @@ def test_prefix_cache_fp32_equals_uncached_and_transformers(build, name):
     step (chunks after cached pages, and alone a single token after them, which runs as a graph-replayed decode step):
     greedy tokens equal the cache-off run and transformers' in fp32."""
     folder = build(name)
-    prompts = M.shared_prefix_prompts(folder, seed=12, prefix_len=48, suffix_lens=[4, 1, 23, 16, 40], max_new=10)
+    prompts = M.pick_prompts(folder, seed=12, prefix_len=48, lengths=[4, 1, 23, 16, 40], max_new=10)
     got = {}
     for caching in (True, False):
         with cuda_gen(folder, max_num_batched_tokens=32, enable_prefix_caching=caching) as g:
@@ -253,7 +253,7 @@ def test_prefix_cache_bf16_logprobs_close(build):
     """bf16: a request whose prefix came from the cache has first-token logprobs as close to transformers' fp32
     ones as transformers' own bf16 run (at most twice its error, plus 0.02)."""
     folder = build("qwen3_hd128_gqa2")
-    first, second = M.shared_prefix_prompts(folder, seed=14, prefix_len=32, suffix_lens=[3, 11], max_new=1)
+    first, second = M.pick_prompts(folder, seed=14, prefix_len=32, lengths=[3, 11], max_new=1)
     with cuda_gen(folder, dtype="bfloat16") as g:
         g.generate([first], max_tokens=1, **GREEDY)
         c = g.generate([second], max_tokens=1, logprobs=5, **GREEDY)[0]

@@ -17,7 +17,7 @@ def test_shared_prefix_equals_uncached_and_transformers(build, fresh_gen, tp):
     """A first request fills the cache; six more with its 48-token prefix (3 pages) each take those pages and
     compute only their own tokens. Tokens equal the cache-off run and transformers'; logprobs agree."""
     folder = build("qwen3_gqa2_tied")
-    prompts = M.shared_prefix_prompts(folder, seed=3, prefix_len=3 * PAGE, suffix_lens=[5, 1, 17, 30, 9, 16, 2],
+    prompts = M.pick_prompts(folder, seed=3, prefix_len=3 * PAGE, lengths=[5, 1, 17, 30, 9, 16, 2],
                                      max_new=8)
     on = fresh_gen(folder, tensor_parallel_size=tp, max_batch_size=8, max_num_batched_tokens=64)
     off = fresh_gen(folder, tensor_parallel_size=tp, max_batch_size=8, max_num_batched_tokens=64,
@@ -98,8 +98,8 @@ def test_concurrent_shared_prefix_requests_match_alone(build, fresh_gen):
     folder = build("qwen2_bias_gqa2_tied")
     prompts = []
     for seed in range(4):
-        prompts += M.shared_prefix_prompts(folder, seed=40 + seed, prefix_len=2 * PAGE + 3,
-                                          suffix_lens=[1, 4, 9, 13, 16, 20, 27, 33], max_new=6)
+        prompts += M.pick_prompts(folder, seed=40 + seed, prefix_len=2 * PAGE + 3,
+                                  lengths=[1, 4, 9, 13, 16, 20, 27, 33], max_new=6)
     gen = fresh_gen(folder, max_batch_size=6, max_num_batched_tokens=40)
     reqs = [gen.submit(p, max_tokens=6, **GREEDY) for p in prompts]
     for p, r in zip(prompts, reqs):

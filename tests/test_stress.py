@@ -25,7 +25,7 @@ def test_arrivals_cancels_preemption(build, fresh_gen, idle, tp, shared):
     lens = [int(x) for x in rng.integers(3, 21, size=36)]
     mts = [int(x) for x in rng.integers(24, 45, size=36)]
     if shared:
-        prompts = M.shared_prefix_prompts(folder, seed=78, prefix_len=16, suffix_lens=[max(1, n - 16) for n in lens],
+        prompts = M.pick_prompts(folder, seed=78, prefix_len=16, lengths=[max(1, n - 16) for n in lens],
                                           max_new=44)
     else:
         prompts = M.pick_prompts(folder, seed=77, lengths=lens, max_new=44)

@@ -19,7 +19,7 @@ const char* finish_name(Finish f) {
 }
 
 Scheduler::Scheduler(const SchedulerOptions& o)
-    : opt_(o), pool_(o.num_pages, o.page_size, o.prefix_caching), slots_(o.max_batch_size) {}
+    : opt_(o), pool_(o.num_pages, o.page_size), slots_(o.max_batch_size) {}
 
 void Scheduler::add(std::unique_ptr<Request> r) { waiting_.push_back(std::move(r)); }
 
@@ -47,14 +47,22 @@ bool Scheduler::ensure_pages(Request& r, int tokens) {
   return true;
 }
 
+bool Scheduler::page_tokens(const Request& r, int j, std::vector<int32_t>& tokens) const {
+  const int ps = opt_.page_size;
+  tokens.resize(size_t(ps));
+  for (int i = 0; i < ps; ++i) {
+    tokens[size_t(i)] = r.token_at(j * ps + i);
+    if (tokens[size_t(i)] == kPending) return false;
+  }
+  return true;
+}
+
 std::vector<int> Scheduler::cached_prefix(const Request& r) const {
   std::vector<int> hit;
-  if (!pool_.prefix_caching()) return hit;
-  const int ps = opt_.page_size;
-  std::vector<int32_t> tokens(static_cast<size_t>(ps));
+  if (!opt_.prefix_caching) return hit;
+  std::vector<int32_t> tokens;
   // Never the page of the last token: a step must compute that token (its logits give the next one).
-  for (int j = 0; (j + 1) * ps <= r.length() - 1; ++j) {
-    for (int i = 0; i < ps; ++i) tokens[size_t(i)] = r.token_at(j * ps + i);
+  for (int j = 0; (j + 1) * opt_.page_size <= r.length() - 1 && page_tokens(r, j, tokens); ++j) {
     const int page = pool_.lookup(hit.empty() ? -1 : hit.back(), tokens.data());
     if (page < 0) break;
     hit.push_back(page);
@@ -63,16 +71,12 @@ std::vector<int> Scheduler::cached_prefix(const Request& r) const {
 }
 
 void Scheduler::name_pages(Request& r, int upto) {
-  if (!pool_.prefix_caching()) return;
+  if (!opt_.prefix_caching) return;
   Slot& s = slots_[r.slot];
-  const int ps = opt_.page_size;
-  std::vector<int32_t> tokens(static_cast<size_t>(ps));
-  while (!s.naming_stopped && (s.named + 1) * ps <= upto) {
+  std::vector<int32_t> tokens;
+  while (!s.naming_stopped && (s.named + 1) * opt_.page_size <= upto) {
     const int j = s.named;
-    for (int i = 0; i < ps; ++i) {
-      tokens[size_t(i)] = r.token_at(j * ps + i);
-      if (tokens[size_t(i)] == kPending) return;  // named once the token is known
-    }
+    if (!page_tokens(r, j, tokens)) return;  // named once the token is known
     // Where another page holds this content already (requests that computed one prefix side by side), the
     // prefix goes on from that page: what follows is still found. That page is not held by this request, so its
     // content may go (its generation changes) before the next page is full: naming stops there.

@@ -70,6 +70,8 @@ class Scheduler {
   int pages_for(int tokens) const;
   int expected_growth(const Request& r) const;  // pages r is expected to add beyond its current length
   void preempt(Request* r);
+  // Tokens of r's page j into tokens; false while one of them is pending (its value not yet known).
+  bool page_tokens(const Request& r, int j, std::vector<int32_t>& tokens) const;
   std::vector<int> cached_prefix(const Request& r) const;  // pages of r's leading tokens the cache holds
   void name_pages(Request& r, int upto);  // names r's full pages within tokens [0, upto), filled by earlier steps
   void build_input(Plan& p);

@@ -4,8 +4,7 @@
 
 namespace qrt {
 
-PagePool::PagePool(int n, int page_size, bool prefix_caching)
-    : total_(n), page_size_(page_size), caching_(prefix_caching), pages_(size_t(n)) {
+PagePool::PagePool(int n, int page_size) : total_(n), page_size_(page_size), pages_(size_t(n)) {
   free_.reserve(n);
   for (int i = n - 1; i >= 0; --i) free_.push_back(i);
 }
@@ -71,7 +70,7 @@ void PagePool::release(int page) {
 int PagePool::name(int page, int parent, uint32_t parent_gen, const int32_t* tokens) {
   Page& p = pages_[size_t(page)];
   QRT_CHECK(p.holders > 0, "page ", page, " named but not held");
-  if (!caching_ || (parent >= 0 && pages_[size_t(parent)].gen != parent_gen)) return -1;
+  if (parent >= 0 && pages_[size_t(parent)].gen != parent_gen) return -1;
   Name n = make_name(parent, tokens);
   if (p.named) {
     QRT_CHECK(p.name == n, "page ", page, " named twice, with different contents");
@@ -86,7 +85,6 @@ int PagePool::name(int page, int parent, uint32_t parent_gen, const int32_t* tok
 }
 
 int PagePool::lookup(int parent, const int32_t* tokens) const {
-  if (!caching_) return -1;
   auto it = named_.find(make_name(parent, tokens));
   return it == named_.end() ? -1 : it->second;
 }

@@ -19,11 +19,10 @@ namespace qrt {
 // own page_size tokens. Names are exact (no hash is trusted alone), so a hit always has the right K/V.
 class PagePool {
  public:
-  PagePool(int num_pages, int page_size, bool prefix_caching);
+  PagePool(int num_pages, int page_size);
   int total() const { return total_; }
   int free_count() const { return int(free_.size() + lru_.size()); }  // pages alloc() can hand out
   int cached_count() const { return int(lru_.size()); }
-  bool prefix_caching() const { return caching_; }
   int alloc();              // a page with one holder, or -1 when none is free or cached
   void retain(int page);    // one more holder of a page that lookup() found (held or cached)
   void release(int page);   // one holder fewer; with none left it is cached if it has a name, else free
@@ -32,8 +31,8 @@ class PagePool {
   // Names page (held, full, its K/V written or being written by a launched step) as the one after `parent`
   // (-1: the first of a prefix) holding tokens[0, page_size), where parent_gen is the parent's generation
   // when it was found. Returns the page that bears the name: this one, or another page that bore it already
-  // (same content: this one stays unnamed; the prefix goes on from that one). -1 when caching is off or the
-  // parent's content went since (its generation changed): nothing after it can be named.
+  // (same content: this one stays unnamed; the prefix goes on from that one). -1 when the parent's content
+  // went since (its generation changed): nothing after it can be named.
   int name(int page, int parent, uint32_t parent_gen, const int32_t* tokens);
   uint32_t generation(int page) const { return pages_[size_t(page)].gen; }
   // The page named as following `parent` with these tokens, or -1.
@@ -62,7 +61,6 @@ class PagePool {
   void drop_name(Page& p);
 
   int total_, page_size_;
-  bool caching_;
   std::vector<Page> pages_;
   std::vector<int> free_;  // stack: most recently freed first
   std::list<int> lru_;     // cached pages, least recently released first
