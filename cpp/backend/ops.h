@@ -65,6 +65,29 @@ struct AttnBatch {
   int page_size = 0;
   int max_q_len = 0;    // host-side maxima, for launch shapes
   int max_ctx_len = 0;
+  const int32_t* slots = nullptr;       // [num_seqs] state slot of each sequence (models with DeltaNet layers)
+};
+
+// Gated DeltaNet sizes on one rank: key heads, value heads (a multiple of the key heads: value head j reads key
+// head j / (v_heads / k_heads)), their dims, and the width of the causal conv.
+struct DeltaNetShape {
+  int k_heads = 0;
+  int v_heads = 0;
+  int k_dim = 0;
+  int v_dim = 0;
+  int conv_kernel = 0;
+  int64_t qk_cols() const { return int64_t(k_heads) * k_dim; }   // q (and k) columns
+  int64_t v_cols() const { return int64_t(v_heads) * v_dim; }
+  int64_t conv_cols() const { return 2 * qk_cols() + v_cols(); }  // conv channels: q | k | v
+};
+
+// The state of one DeltaNet layer for every slot (kv/state_cache.h sizes it). A slot's state is that after the
+// tokens of its sequence so far. conv: [slots, conv_kernel - 1, conv_cols] in conv_dtype, the conv inputs of the
+// last conv_kernel - 1 positions, oldest first; recurrent: S [slots, v_heads, k_dim, v_dim], fp32.
+struct StateLayer {
+  void* conv = nullptr;
+  float* recurrent = nullptr;
+  DType conv_dtype = DType::F32;
 };
 
 struct AttnShape {
@@ -129,6 +152,8 @@ class Backend {
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
   virtual void fill_zero(void* p, size_t bytes) = 0;
+  // Stream-ordered copy within the backend's memory.
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
   // Free and total memory of the device, for sizing the KV pool.
   virtual void memory_info(size_t* free_bytes, size_t* total_bytes) = 0;
@@ -220,6 +245,34 @@ class Backend {
   // K/V of this step must already be written.
   virtual void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch,
                          const AttnShape& shape, Tensor& out) = 0;
+  // In place: x *= sigmoid(gate) (same shape): the output gate of a gated attention layer.
+  virtual void sigmoid_mul(Tensor& x, const Tensor& gate) { (void)x, (void)gate, unsupported("sigmoid_mul"); }
+
+  // Gated DeltaNet. Sequence s of batch owns rows [q_start[s], q_start[s + 1]) and state slot slots[s]; its first
+  // row sits at position ctx_len[s] - q_len: where that is 0 its state starts from zeros (the slot's is not read),
+  // else from the slot's. Each op leaves the slot holding the state after the sequence's last row.
+  // 1. The depthwise causal conv of the q|k|v channels, then SiLU: x [T, conv_cols] (any row stride), w
+  //    [conv_cols, conv_kernel] (column conv_kernel - 1 multiplies the current token), out [T, conv_cols].
+  virtual void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& batch, const DeltaNetShape& s,
+                             StateLayer& state, Tensor& out) {
+    (void)x, (void)w, (void)batch, (void)s, (void)state, (void)out, unsupported("causal_conv1d");
+  }
+  // 2. The gated delta rule over the conv's output qkv [T, conv_cols] (q | k | v), with a and b [T, v_heads] (any
+  //    row stride), a_log and dt_bias [1, v_heads] fp32. Per token and value head, in fp32: q and k L2-normalised
+  //    (eps 1e-6), q *= k_dim^-0.5; g = -exp(a_log) * softplus(a + dt_bias); beta = sigmoid(b); S *= exp(g);
+  //    S += k ((v - S^T k) * beta)^T; o = S^T q. out [T, v_cols]: o of each value head.
+  virtual void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                                const Tensor& dt_bias, const AttnBatch& batch, const DeltaNetShape& s,
+                                StateLayer& state, Tensor& out) {
+    (void)qkv, (void)a, (void)b, (void)a_log, (void)dt_bias, (void)batch, (void)s, (void)state, (void)out;
+    unsupported("gated_delta_rule");
+  }
+  // 3. In place: every head_dim group of x is RMS-normalised, times w [1, head_dim] (plain, not 1 + w), times
+  //    silu(z) (z like x, any row stride).
+  virtual void gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim) {
+    (void)x, (void)z, (void)w, (void)eps, (void)head_dim, unsupported("gated_rms_norm");
+  }
+
   // out[i] = x[rows[i]].
   virtual void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) = 0;
   // In place: x += y (elementwise, same shape).
@@ -260,6 +313,11 @@ class Backend {
   // Destroys every graph (one still running is freed when it completes). Before a communicator is destroyed:
   // NCCL waits for the graphs that captured its collectives.
   virtual void drop_graphs() noexcept {}
+
+ protected:
+  [[noreturn]] void unsupported(const char* op) const {
+    throw std::runtime_error(name() + " backend: " + op + " is not supported");
+  }
 
  private:
   SampleResult results_[2];  // the default sample_start's results

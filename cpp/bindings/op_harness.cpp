@@ -116,6 +116,23 @@ class OpHarness {
     return d;
   }
 
+  // A batch as the DeltaNet ops see it: q_start, ctx_len and each sequence's state slot.
+  struct StateBatch {
+    Dev q_start, ctx_len, slots;
+    AttnBatch b;
+  };
+  StateBatch state_batch(const I32In& q_start, const I32In& ctx_len, const I32In& slots, int64_t num_tokens) {
+    StateBatch d{up_ids(q_start), up_ids(ctx_len), up_ids(slots), {}};
+    d.b.num_seqs = int(ctx_len.size());
+    d.b.num_tokens = int(num_tokens);
+    d.b.q_start = d.q_start.t.ptr<int32_t>();
+    d.b.ctx_len = d.ctx_len.t.ptr<int32_t>();
+    d.b.slots = d.slots.t.ptr<int32_t>();
+    for (int s = 0; s < d.b.num_seqs; ++s)
+      d.b.max_q_len = std::max(d.b.max_q_len, q_start.data()[s + 1] - q_start.data()[s]);
+    return d;
+  }
+
   Backend& be() { return *be_; }
 
  private:
@@ -286,6 +303,45 @@ void bind_op_harness(nb::module_& m) {
            }, "qkv"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
            "page_size"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a,
            "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, "kv_dtype"_a = "")
+      .def("sigmoid_mul",
+           [](OpHarness& h, F32In x, F32In gate) {
+             Dev xd = h.up(x, h.act()), g = h.up(gate, h.act());
+             h.be().sigmoid_mul(xd.t, g.t);
+             return h.down(xd.t);
+           })
+      .def("gated_rms_norm",
+           [](OpHarness& h, F32In x, F32In z, F32In w, float eps, int hd) {
+             Dev xd = h.up(x, h.act()), zd = h.up(z, h.act()), wd = h.up(w, DType::F32);
+             h.be().gated_rms_norm(xd.t, zd.t, wd.t, eps, hd);
+             return h.down(xd.t);
+           })
+      // conv_state [slots, (kernel - 1) * conv_cols] in the activation dtype; returns (out, conv_state after).
+      .def("causal_conv1d",
+           [](OpHarness& h, F32In x, F32In w, F32In conv_state, I32In q_start, I32In ctx_len, I32In slots,
+              int k_heads, int v_heads, int k_dim, int v_dim, int kernel) {
+             Dev xd = h.up(x, h.act()), wd = h.up(w, h.act()), cs = h.up(conv_state, h.act());
+             const auto batch = h.state_batch(q_start, ctx_len, slots, xd.t.rows);
+             DeltaNetShape sh{k_heads, v_heads, k_dim, v_dim, kernel};
+             StateLayer st{cs.t.data, nullptr, h.act()};
+             Dev o = h.empty(xd.t.rows, xd.t.cols, h.act());
+             h.be().causal_conv1d(xd.t, wd.t, batch.b, sh, st, o.t);
+             return std::make_pair(h.down(o.t), h.down(cs.t));
+           }, "x"_a, "w"_a, "conv_state"_a, "q_start"_a, "ctx_len"_a, "slots"_a, "k_heads"_a, "v_heads"_a,
+           "k_dim"_a, "v_dim"_a, "kernel"_a)
+      // state [slots, v_heads * k_dim * v_dim] fp32; returns (out, state after).
+      .def("gated_delta_rule",
+           [](OpHarness& h, F32In qkv, F32In a, F32In b, F32In a_log, F32In dt_bias, F32In state, I32In q_start,
+              I32In ctx_len, I32In slots, int k_heads, int v_heads, int k_dim, int v_dim) {
+             Dev xd = h.up(qkv, h.act()), ad = h.up(a, h.act()), bd = h.up(b, h.act());
+             Dev al = h.up(a_log, DType::F32), dt = h.up(dt_bias, DType::F32), sd = h.up(state, DType::F32);
+             const auto batch = h.state_batch(q_start, ctx_len, slots, xd.t.rows);
+             DeltaNetShape sh{k_heads, v_heads, k_dim, v_dim, 0};
+             StateLayer st{nullptr, sd.t.ptr<float>(), h.act()};
+             Dev o = h.empty(xd.t.rows, sh.v_cols(), h.act());
+             h.be().gated_delta_rule(xd.t, ad.t, bd.t, al.t, dt.t, batch.b, sh, st, o.t);
+             return std::make_pair(h.down(o.t), h.down(sd.t));
+           }, "qkv"_a, "a"_a, "b"_a, "a_log"_a, "dt_bias"_a, "state"_a, "q_start"_a, "ctx_len"_a, "slots"_a,
+           "k_heads"_a, "v_heads"_a, "k_dim"_a, "v_dim"_a)
       .def("gather_rows",
            [](OpHarness& h, F32In x, I32In rows) {
              Dev xd = h.up(x, h.act()), rd = h.up_ids(rows);

@@ -114,6 +114,7 @@ class CpuBackend final : public Backend {
   void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void fill_zero(void* p, size_t n) override { std::memset(p, 0, n); }
+  void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
   void synchronize() override {}
   void memory_info(size_t* free_b, size_t* total_b) override {
     std::ifstream f("/proc/meminfo");
@@ -227,6 +228,40 @@ class CpuBackend final : public Backend {
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                  Tensor& out) override {
     cpu::attention(q, cache, b, s, out, pool_);
+  }
+  void sigmoid_mul(Tensor& x, const Tensor& gate) override {
+    check_f32(x, "sigmoid_mul");
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
+      float* o = row(x, r);
+      const float* g = row(gate, r);
+      for (int64_t i = 0; i < x.cols; ++i) o[i] *= 1.0f / (1.0f + std::exp(-g[i]));
+    });
+  }
+  void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
+                     Tensor& out) override {
+    check_f32(x, "causal_conv1d");
+    cpu::causal_conv1d(x, w, b, s, st, out, pool_);
+  }
+  void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& bt, const Tensor& a_log,
+                        const Tensor& dt_bias, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
+                        Tensor& out) override {
+    check_f32(qkv, "gated_delta_rule");
+    check_f32(out, "gated_delta_rule");
+    cpu::gated_delta_rule(qkv, a, bt, a_log, dt_bias, b, s, st, out, pool_);
+  }
+  // rms_row per head with gain w, then times silu(z) (the product rounded as transformers' fp32 path).
+  void gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int hd) override {
+    check_f32(x, "gated_rms_norm");
+    const std::vector<float> g = norm_gains(w, false);
+    const int64_t heads = x.cols / hd;
+    pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = row(x, r) + h * hd;
+        const float* zr = row(z, r) + h * hd;
+        rms_row(p, hd, g.data(), eps, p);
+        for (int i = 0; i < hd; ++i) p[i] *= zr[i] / (1.0f + std::exp(-zr[i]));
+      }
+    });
   }
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override {
     const size_t rb = size_t(x.cols) * dtype_size(x.dtype);

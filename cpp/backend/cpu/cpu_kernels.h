@@ -104,6 +104,11 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, Thr
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                Tensor& out, ThreadPool& pool);
 
+void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
+                   Tensor& out, ThreadPool& pool);
+void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log, const Tensor& dt_bias,
+                      const AttnBatch& batch, const DeltaNetShape& s, StateLayer& st, Tensor& out, ThreadPool& pool);
+
 void sample(const Tensor& logits, const std::vector<SampleRow>& rows, SampleResult& out, ThreadPool& pool);
 
 }  // namespace qrt::cpu

@@ -193,6 +193,11 @@ void CudaBackend::fill_zero(void* p, size_t bytes) {
   if (bytes) check(cudaMemsetAsync(p, 0, bytes, stream_), "fill_zero");
 }
 
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  set_device();
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copy");
+}
+
 void CudaBackend::synchronize() {
   set_device();
   check(cudaStreamSynchronize(stream_), "synchronize");

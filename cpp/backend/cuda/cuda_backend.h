@@ -28,6 +28,7 @@ class CudaBackend final : public Backend {
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void fill_zero(void* p, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
   void synchronize() override;
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
