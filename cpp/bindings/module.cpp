@@ -33,6 +33,14 @@ NB_MODULE(_core, m) {
       .def_rw("tie_embeddings", &ModelConfig::tie_embeddings)
       .def_rw("attn_bias", &ModelConfig::attn_bias)
       .def_rw("qk_norm", &ModelConfig::qk_norm)
+      .def_rw("zero_centred_norms", &ModelConfig::zero_centred_norms)
+      .def_rw("attn_output_gate", &ModelConfig::attn_output_gate)
+      .def_rw("layer_types", &ModelConfig::layer_types)
+      .def_rw("linear_k_heads", &ModelConfig::linear_k_heads)
+      .def_rw("linear_v_heads", &ModelConfig::linear_v_heads)
+      .def_rw("linear_k_dim", &ModelConfig::linear_k_dim)
+      .def_rw("linear_v_dim", &ModelConfig::linear_v_dim)
+      .def_rw("linear_conv_kernel", &ModelConfig::linear_conv_kernel)
       .def_rw("max_position_embeddings", &ModelConfig::max_position_embeddings)
       .def_rw("rope_inv_freq", &ModelConfig::rope_inv_freq)
       .def_rw("rope_attention_factor", &ModelConfig::rope_attention_factor)
@@ -147,6 +155,7 @@ NB_MODULE(_core, m) {
         d["page_size"] = s.page_size;
         d["weight_bytes"] = s.weight_bytes;
         d["kv_bytes"] = s.kv_bytes;
+        d["state_bytes"] = s.state_bytes;
         return d;
       });
 

@@ -91,6 +91,7 @@ struct Rank {
   std::unique_ptr<Backend> be;
   std::unique_ptr<Comm> comm;
   std::unique_ptr<QwenModel> model;
+  std::unique_ptr<StateCache> state;  // models with DeltaNet layers
   std::unique_ptr<KvCache> kv;
 };
 
@@ -305,8 +306,20 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   }, kNoLimit);
   // Rank 0 samples: its scratch for a full batch is taken before the pool is sized.
   ranks[0].be->reserve_sampling(opt.max_batch_size, cfg.vocab_size);
+  // DeltaNet state, one per slot (and the scratch slot), before the KV pool takes what memory is left.
+  const int delta_layers = cfg.num_delta_net_layers();
+  size_t state_bytes = 0;
+  if (delta_layers > 0) {
+    on_ranks([&](int, Rank& rk) {
+      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, rk.model->delta_net_shape(),
+                                              rk.be->act_dtype());
+      rk.be->synchronize();
+    }, kNoLimit);
+    state_bytes = StateCache::bytes_per_slot(delta_layers, ranks[0].model->delta_net_shape(), ranks[0].be->act_dtype()) *
+                  size_t(opt.max_batch_size + 1);
+  }
   // KV pool: the same number of pages on every rank.
-  const size_t bpp = KvCache::bytes_per_page(cfg.num_layers, opt.page_size, ranks[0].model->kv_cols(), kvdt);
+  const size_t bpp = KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -316,7 +329,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     if (fr < free_b) free_b = fr, least = rk.be.get();
   }
   int64_t pages = 0;
-  if (opt.kv_cache_memory > 0) {
+  if (bpp == 0) {  // no attention layer: pages hold no K/V, only the scheduler's bookkeeping
+    pages = int64_t(opt.max_batch_size) * lim.max_pages_per_seq;
+  } else if (opt.kv_cache_memory > 0) {
     pages = opt.kv_cache_memory / int64_t(bpp);
     // The pool is committed as it fills: refuse what the device cannot hold now.
     const size_t need = size_t(opt.kv_cache_memory) * (cuda ? 1 : n);
@@ -331,7 +346,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_layers, int(pages), opt.page_size, rk.model->kv_cols(), kvdt);
+    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_attention_layers(), int(pages), opt.page_size, rk.model->kv_cols(),
+                                      kvdt);
     rk.be->synchronize();
   }, kNoLimit);
   // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
@@ -343,10 +359,13 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.page_size = opt.page_size;
   so.num_pages = int(pages);
   so.max_model_len = opt.max_model_len;
-  so.prefix_caching = opt.prefix_caching;
+  // A DeltaNet state holds only at the position it was taken: prefix hits on hybrid models need state snapshots at
+  // page boundaries, not there yet, so their prefix cache is off.
+  so.prefix_caching = opt.prefix_caching && delta_layers == 0;
   sched = std::make_unique<Scheduler>(so);
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
+  snapshot.state_bytes = state_bytes;
   update_snapshot();
 }
 
@@ -479,7 +498,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
     test_fail_rank(r);
-    Tensor l = rk.model->forward(p.input, *rk.kv, r == 0 ? sampled : nullptr);
+    Tensor l = rk.model->forward(p.input, *rk.kv, rk.state.get(), r == 0 ? sampled : nullptr);
     if (r == 0) logits = l;
   });
   // Sampling parameters of the sequences that reached their end.
@@ -740,6 +759,7 @@ void Engine::Impl::release_ranks() noexcept {
         } catch (...) {  // a failed device: free what can be freed
         }
         rk.kv.reset();
+        rk.state.reset();
         rk.model.reset();
         if (rk.be) rk.be->drop_graphs();  // first: NCCL's destroy waits for graphs that captured collectives
         rk.comm.reset();

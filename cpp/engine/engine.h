@@ -39,6 +39,7 @@ struct EngineStats {
   int64_t cached_tokens = 0;        // tokens whose K/V came from the prefix cache instead of a step
   int max_model_len = 0, page_size = 0;
   size_t weight_bytes = 0, kv_bytes = 0;
+  size_t state_bytes = 0;           // DeltaNet state of every slot (hybrid models), per rank
 };
 
 class Engine {

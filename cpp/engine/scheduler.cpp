@@ -214,6 +214,7 @@ void Scheduler::build_input(Plan& p) {
     }
     in.q_start.push_back(int32_t(in.tokens.size()));
     in.ctx_len.push_back(s.first + s.count);
+    in.slots.push_back(s.req->slot);
     for (int j = 0; j < max_pages; ++j) in.page_table.push_back(j < int(slot.pages.size()) ? slot.pages[j] : 0);
     if (s.sample) in.logit_rows.push_back(int32_t(in.tokens.size()) - 1);
     in.max_q_len = std::max(in.max_q_len, s.count);

@@ -11,7 +11,8 @@
 namespace qrt {
 
 void validate(const ModelConfig& c) {
-  QRT_CHECK_ARG(c.arch == "qwen2" || c.arch == "qwen3", "unsupported model architecture '", c.arch, "'");
+  QRT_CHECK_ARG(c.arch == "qwen2" || c.arch == "qwen3" || c.arch == "qwen3_5", "unsupported model architecture '",
+                c.arch, "'");
   QRT_CHECK_ARG(c.vocab_size > 0 && c.hidden_size > 0 && c.num_layers > 0 && c.intermediate_size > 0,
                 "config: vocab_size, hidden_size, num_hidden_layers and intermediate_size must be positive");
   QRT_CHECK_ARG(c.num_q_heads > 0 && c.num_kv_heads > 0 && c.num_q_heads % c.num_kv_heads == 0,
@@ -20,32 +21,28 @@ void validate(const ModelConfig& c) {
   QRT_CHECK_ARG(c.head_dim > 0 && c.head_dim % 2 == 0, "config: head_dim must be positive and even");
   QRT_CHECK_ARG(c.rot_dim() > 0 && c.rot_dim() <= c.head_dim, "config: bad rotary dimension ", c.rot_dim());
   QRT_CHECK_ARG(c.max_position_embeddings > 0, "config: max_position_embeddings must be positive");
+  QRT_CHECK_ARG(c.layer_types.empty() || int(c.layer_types.size()) == c.num_layers, "config: layer_types has ",
+                c.layer_types.size(), " entries for ", c.num_layers, " layers");
+  for (const std::string& t : c.layer_types)
+    QRT_CHECK_ARG(t == "full_attention" || t == "linear_attention", "config: layer type '", t,
+                  "' is not supported (full_attention, linear_attention)");
+  if (c.num_delta_net_layers() > 0) {
+    QRT_CHECK_ARG(c.linear_k_heads > 0 && c.linear_v_heads > 0 && c.linear_v_heads % c.linear_k_heads == 0,
+                  "config: linear_num_value_heads (", c.linear_v_heads, ") must be a positive multiple of ",
+                  "linear_num_key_heads (", c.linear_k_heads, ")");
+    QRT_CHECK_ARG(c.linear_k_dim > 0 && c.linear_v_dim > 0, "config: linear_key_head_dim and linear_value_head_dim ",
+                  "must be positive");
+    QRT_CHECK_ARG(c.linear_conv_kernel >= 2 && c.linear_conv_kernel <= 8, "config: linear_conv_kernel_dim ",
+                  c.linear_conv_kernel, " is not supported (2 to 8)");
+  }
 }
 
 QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,
                      const Progress& progress)
-    : cfg_(cfg), be_(be), comm_(comm), ws_(ws), lim_(lim) {
-  validate(cfg_);
+    : cfg_((validate(cfg), cfg)), be_(be), comm_(comm), ws_(ws), lim_(lim), shard_(cfg_, comm.rank(), comm.size()) {
   const int n = comm.size(), r = comm.rank();
   QRT_CHECK_ARG(be.supports_head_dim(cfg_.head_dim), "head_dim ", cfg_.head_dim, " is not supported by the ",
                 be.name(), " backend (64, 128 or 256)");
-  QRT_CHECK_ARG(cfg_.num_q_heads % n == 0, "tensor_parallel_size ", n, " does not divide the ", cfg_.num_q_heads,
-                " attention heads");
-  QRT_CHECK_ARG(cfg_.intermediate_size % n == 0, "tensor_parallel_size ", n, " does not divide intermediate_size ",
-                cfg_.intermediate_size);
-  q_heads_ = cfg_.num_q_heads / n;
-  q_head0_ = r * q_heads_;
-  if (cfg_.num_kv_heads % n == 0) {
-    kv_heads_ = cfg_.num_kv_heads / n;
-    kv_head0_ = r * kv_heads_;
-  } else {
-    QRT_CHECK_ARG(n % cfg_.num_kv_heads == 0, "tensor_parallel_size ", n, " and ", cfg_.num_kv_heads,
-                  " KV heads: one must divide the other");
-    kv_heads_ = 1;  // replicated: several ranks share one KV head
-    kv_head0_ = r * cfg_.num_kv_heads / n;
-  }
-  inter_ = cfg_.intermediate_size / n;
-  inter0_ = r * inter_;
   vocab_pad_ = (cfg_.vocab_size + n - 1) / n;
   vocab0_ = r * vocab_pad_;
   vocab_rows_ = std::max(0, std::min(vocab_pad_, cfg_.vocab_size - vocab0_));
@@ -54,14 +51,22 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
 
   const DType act = be_.act_dtype();
   const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim;
-  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + S + int64_t(S) * lim_.max_pages_per_seq + S;
+  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + 2 * S + int64_t(S) * lim_.max_pages_per_seq + S;
   meta_ = alloc_tensor(DType::I32, 1, meta);
   residual_ = alloc_tensor(act, T, H);
-  hidden_ = alloc_tensor(act, T, H);
-  qkv_ = alloc_tensor(act, T, int64_t(q_heads_ + 2 * kv_heads_) * D);
-  attn_ = alloc_tensor(act, T, int64_t(q_heads_) * D);
-  gate_up_ = alloc_tensor(act, T, 2 * int64_t(inter_));
-  act_ = alloc_tensor(act, T, inter_);
+  ws_full_.h = alloc_tensor(act, T, H);
+  const bool delta = cfg_.num_delta_net_layers() > 0, attention = cfg_.num_attention_layers() > 0;
+  if (attention) {
+    ws_full_.qkv = alloc_tensor(act, T, AttentionLayer::proj_cols(cfg_, shard_));
+    ws_full_.attn = alloc_tensor(act, T, int64_t(shard_.q_heads) * D);
+  }
+  if (delta) {
+    ws_full_.proj = alloc_tensor(act, T, DeltaNetLayer::proj_cols(shard_));
+    ws_full_.conv = alloc_tensor(act, T, shard_.delta.conv_cols());
+    ws_full_.core = alloc_tensor(act, T, shard_.delta.v_cols());
+  }
+  ws_full_.gate_up = alloc_tensor(act, T, 2 * int64_t(shard_.inter));
+  ws_full_.act = alloc_tensor(act, T, shard_.inter);
   sel_res_ = alloc_tensor(act, S, H);
   sel_h_ = alloc_tensor(act, S, H);
   // Logits: this rank's shard [S, vocab_pad_]; with several ranks, gathered then laid out as [S, n * vocab_pad_].
@@ -74,99 +79,49 @@ Tensor QwenModel::alloc_tensor(DType t, int64_t rows, int64_t cols) {
   return storage_.back().tensor(t, rows, cols);
 }
 
-// Loads rows [r0, r0 + dst.rows) x cols [c0, c0 + dst.cols) of a [rows, cols] checkpoint tensor into dst,
-// or fills dst with random values for dummy weights.
-void QwenModel::load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
-                     float dummy_scale, float dummy_offset) {
-  if (ws_.files) {
-    ws_.files->read(be_, name, rows, cols, r0, c0, dst);
-  } else {
-    be_.fill_random(dst, hash3(ws_.dummy_seed, dummy_counter_++, 0), dummy_scale, dummy_offset, r0, c0);
-  }
-}
-
 void QwenModel::load_weights(const Progress& progress) {
   const std::string& pre = cfg_.weight_prefix;
-  const int H = cfg_.hidden_size, D = cfg_.head_dim, V = cfg_.vocab_size, I = cfg_.intermediate_size;
-  const int Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads;
-  const DType wt = ws_.dtype, nt = DType::F32;
-  const float ws = 0.02f * std::sqrt(3.0f);  // uniform with std 0.02, like transformers' init
-  const float norm_one = 1.0f;
-
+  const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  const bool zc = cfg_.zero_centred_norms;
+  WeightLoader ld(be_, ws_, storage_);
   // Vocab-parallel: this rank holds rows [vocab0_, vocab0_ + vocab_rows_) of the embedding (and LM head),
   // padded with zero rows to vocab_pad_.
   auto load_vocab_shard = [&](const std::string& name) {
-    Tensor t = alloc_tensor(wt, vocab_pad_, H);
+    Tensor t = ld.alloc(ws_.dtype, vocab_pad_, H);
     be_.fill_zero(t.data, t.nbytes());
-    if (vocab_rows_ > 0) load(name, V, H, vocab0_, 0, t.row_slice(0, vocab_rows_), ws, 0.f);
+    if (vocab_rows_ > 0) ld.load(name, V, H, vocab0_, 0, t.row_slice(0, vocab_rows_));
     return t;
   };
+  // A norm that feeds w: its gain, or a unit gain once the gain is folded into w (16-bit weights on a backend
+  // whose fused norm is faster without one).
+  auto norm = [&](const std::string& name, Tensor* w) { return NormGain{ld.norm_gain(name, H, zc, w), ld.folds_gains() && w}; };
   embed_ = load_vocab_shard(pre + "embed_tokens.weight");
-  // 16-bit weights on a backend that wants it: each norm's gain is multiplied into the columns of the
-  // matrix it feeds, and the norm keeps a gain of ones (RmsNorm::unit_gain). Gains loaded for folding go
-  // through two staging tensors, not kept. (Load order stays that of the checkpoint walk: dummy weights
-  // draw their seeds in that order.)
-  gains_folded_ = be_.folds_norm_gains() && wt == be_.act_dtype() && (wt == DType::BF16 || wt == DType::F16);
-  Tensor staged[2];
-  if (gains_folded_) {
-    unit_gain_ = alloc_tensor(nt, 1, H);
-    be_.fill_random(unit_gain_, 0, 0.f, 1.0f, 0, 0);  // exactly 1: fma(0, u, 1)
-    for (Tensor& t : staged) t = alloc_tensor(nt, 1, H);
-  }
-  auto load_gain = [&](const std::string& name, int stage) {
-    Tensor g = gains_folded_ ? staged[stage] : alloc_tensor(nt, 1, H);
-    load(name, 1, H, 0, 0, g, 0.f, norm_one);
-    return g;
-  };
-  // The norm with gain g that feeds w: g itself, or the unit gain once g is folded into w.
-  auto fold = [&](const Tensor& g, Tensor& w) {
-    if (!gains_folded_) return g;
-    be_.scale_columns(w, g, false);
-    return unit_gain_;
-  };
   layers_.resize(cfg_.num_layers);
+  int attention_layers = 0, delta_layers = 0;
   for (int l = 0; l < cfg_.num_layers; ++l) {
     if (progress) progress("loading weights", l, cfg_.num_layers);
-    Layer& L = layers_[l];
+    DecoderLayer& L = layers_[l];
     const std::string p = pre + "layers." + std::to_string(l) + ".";
-    const Tensor input_gain = load_gain(p + "input_layernorm.weight", 0);
-    const Tensor post_gain = load_gain(p + "post_attention_layernorm.weight", 1);
-    const int qn = q_heads_ * D, kn = kv_heads_ * D;
-    L.qkv.w = alloc_tensor(wt, qn + 2 * kn, H);
-    load(p + "self_attn.q_proj.weight", int64_t(Hq) * D, H, int64_t(q_head0_) * D, 0, L.qkv.w.row_slice(0, qn), ws, 0.f);
-    load(p + "self_attn.k_proj.weight", int64_t(Hkv) * D, H, int64_t(kv_head0_) * D, 0, L.qkv.w.row_slice(qn, kn), ws, 0.f);
-    load(p + "self_attn.v_proj.weight", int64_t(Hkv) * D, H, int64_t(kv_head0_) * D, 0,
-         L.qkv.w.row_slice(qn + kn, kn), ws, 0.f);
-    if (cfg_.attn_bias) {
-      L.qkv_bias = alloc_tensor(nt, 1, qn + 2 * kn);
-      load(p + "self_attn.q_proj.bias", 1, int64_t(Hq) * D, 0, int64_t(q_head0_) * D, L.qkv_bias.col_slice(0, qn), ws, 0.f);
-      load(p + "self_attn.k_proj.bias", 1, int64_t(Hkv) * D, 0, int64_t(kv_head0_) * D, L.qkv_bias.col_slice(qn, kn), ws, 0.f);
-      load(p + "self_attn.v_proj.bias", 1, int64_t(Hkv) * D, 0, int64_t(kv_head0_) * D,
-           L.qkv_bias.col_slice(qn + kn, kn), ws, 0.f);
+    L.delta_net = cfg_.is_delta_net(l);
+    L.cache_index = L.delta_net ? delta_layers++ : attention_layers++;
+    Tensor* mixer_in;
+    if (L.delta_net) {
+      L.delta.load(ld, p + "linear_attn.", cfg_, shard_);
+      mixer_in = &L.delta.in_proj.w;
+    } else {
+      L.attention.load(ld, p + "self_attn.", cfg_, shard_);
+      mixer_in = &L.attention.qkv.w;
     }
-    if (cfg_.qk_norm) {
-      L.q_norm = alloc_tensor(nt, 1, D);
-      load(p + "self_attn.q_norm.weight", 1, D, 0, 0, L.q_norm, 0.f, norm_one);
-      L.k_norm = alloc_tensor(nt, 1, D);
-      load(p + "self_attn.k_norm.weight", 1, D, 0, 0, L.k_norm, 0.f, norm_one);
-    }
-    L.o.w = alloc_tensor(wt, H, qn);
-    load(p + "self_attn.o_proj.weight", H, int64_t(Hq) * D, 0, int64_t(q_head0_) * D, L.o.w, ws, 0.f);
-    L.gate_up.w = alloc_tensor(wt, 2 * int64_t(inter_), H);
-    load(p + "mlp.gate_proj.weight", I, H, inter0_, 0, L.gate_up.w.row_slice(0, inter_), ws, 0.f);
-    load(p + "mlp.up_proj.weight", I, H, inter0_, 0, L.gate_up.w.row_slice(inter_, inter_), ws, 0.f);
-    L.down.w = alloc_tensor(wt, H, inter_);
-    load(p + "mlp.down_proj.weight", H, I, 0, inter0_, L.down.w, ws, 0.f);
-    L.input_norm = fold(input_gain, L.qkv.w);
-    L.post_norm = fold(post_gain, L.gate_up.w);
+    L.mlp.load(ld, p + "mlp.", cfg_, shard_);
+    L.input_norm = norm(p + "input_layernorm.weight", mixer_in);
+    L.post_norm = norm(p + "post_attention_layernorm.weight", &L.mlp.gate_up.w);
   }
-  const Tensor final_gain = load_gain(pre + "norm.weight", 0);
   if (cfg_.tie_embeddings) {  // the LM head is the embedding table: the gain stays in the norm
     lm_head_.w = embed_;
-    final_norm_ = final_gain;  // (staged[0] is not reused after this)
+    final_norm_ = norm(pre + "norm.weight", nullptr);
   } else {
     lm_head_.w = load_vocab_shard("lm_head.weight");
-    final_norm_ = fold(final_gain, lm_head_.w);
+    final_norm_ = norm(pre + "norm.weight", &lm_head_.w);
   }
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();
@@ -210,13 +165,13 @@ int QwenModel::graph_pages(int n, int max_n) {
   return all ? max_n : std::min(p, max_n);
 }
 
-AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, int rows, int max_pages,
-                                  int max_ctx) {
+AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
+                                  int max_pages, int max_ctx) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   const bool pad = rows > T;  // decode-only: T == S == R, padded to `rows` one-token sequences
   const int SS = pad ? rows : S, RR = pad ? rows : R;
   std::vector<int32_t> meta;
-  meta.reserve(size_t(4 * rows + 2 * SS + 1 + SS * max_pages + RR));
+  meta.reserve(size_t(4 * rows + 3 * SS + 1 + SS * max_pages + RR));
   auto put = [&](const std::vector<int32_t>& v, int n, auto pad_value) {
     const size_t off = meta.size();
     meta.insert(meta.end(), v.begin(), v.end());
@@ -237,6 +192,9 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvC
     for (int j = 0; j < max_pages; ++j)
       meta.push_back(i < S && j < s.max_pages ? s.page_table[size_t(i) * s.max_pages + j] : 0);
   const size_t o_lr = put(s.logit_rows, RR, [](int i) { return i; });
+  // Padded rows (and models without DeltaNet layers) use the scratch slot.
+  const int scratch_slot = state ? state->scratch_slot() : 0;
+  const size_t o_sl = put(s.slots, SS, [&](int) { return scratch_slot; });
   QRT_CHECK(int64_t(meta.size()) <= meta_.cols, "step metadata exceeds its buffer");
   be_.upload(meta_.data, meta.data(), meta.size() * 4);
   int32_t* m = meta_.ptr<int32_t>();
@@ -259,26 +217,29 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvC
   b.page_size = kv.page_size();
   b.max_q_len = s.max_q_len;
   b.max_ctx_len = max_ctx;
+  b.slots = m + o_sl;
   return b;
 }
 
-Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sampled) {
+Tensor QwenModel::forward(const StepInput& s, KvCache& kv, StateCache* state, const int32_t* sampled) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= lim_.max_seqs &&
                 s.max_pages <= lim_.max_pages_per_seq,
             "step exceeds the model's limits");
+  QRT_CHECK(cfg_.num_delta_net_layers() == 0 || (state && int(s.slots.size()) == S),
+            "a step of a model with DeltaNet layers needs its state cache and each sequence's slot");
   const bool decode = s.max_q_len == 1 && T == S && R == S;
   const int bucket = graph_bucket(S, std::min(lim_.max_seqs, lim_.max_tokens));
   if (lim_.graphs && be_.supports_graphs() && decode && bucket >= S) {
     // Fixed shapes for the graph: padded rows, and page-table columns whose pages bound every context.
     const int pages = graph_pages(s.max_pages, lim_.max_pages_per_seq);
-    AttnBatch b = upload_meta(s, sampled, kv, bucket, pages, pages * kv.page_size());
+    AttnBatch b = upload_meta(s, sampled, kv, state, bucket, pages, pages * kv.page_size());
     const std::pair<int, int> key{bucket, pages};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       be_.begin_capture();
       try {
-        body(b, bucket, bucket, kv);
+        body(b, bucket, bucket, kv, state);
       } catch (...) {
         be_.abort_capture();  // leave the stream usable; the step fails with the body's error
         throw;
@@ -288,8 +249,8 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv, const int32_t* sample
     be_.replay(it->second);
     return logits_view(R);
   }
-  AttnBatch b = upload_meta(s, sampled, kv, T, s.max_pages, s.max_ctx_len);
-  body(b, T, R, kv);
+  AttnBatch b = upload_meta(s, sampled, kv, state, T, s.max_pages, s.max_ctx_len);
+  body(b, T, R, kv, state);
   return logits_view(R);
 }
 
@@ -298,37 +259,28 @@ Tensor QwenModel::logits_view(int rows) const {
   return Tensor(logits_.data, DType::F32, rows, cfg_.vocab_size, logits_.cols);
 }
 
-void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv) {
-  const int D = cfg_.head_dim, n = comm_.size();
+void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* state) {
+  const int n = comm_.size();
   const float eps = cfg_.rms_eps;
-  const AttnShape shape{q_heads_, kv_heads_, D, 1.0f / std::sqrt(float(D))};
-  Tensor res = residual_.row_slice(0, T), h = hidden_.row_slice(0, T), qkv = qkv_.row_slice(0, T),
-         attn = attn_.row_slice(0, T), gu = gate_up_.row_slice(0, T), act = act_.row_slice(0, T);
-  // A row-parallel linear's output joins the residual stream: rank 0 adds its share to the residual, the
-  // other ranks put theirs in place of it, and the ranks sum (one rank: just the add).
-  auto add_to_residual = [&](const Tensor& x, const Linear& w) {
-    if (comm_.rank() == 0) be_.linear_add(x, w, res);
-    else be_.linear(x, w, nullptr, res);
-    if (n > 1) comm_.all_reduce_sum(res);
-  };
-
+  const bool zc = cfg_.zero_centred_norms;
+  Tensor res = residual_.row_slice(0, T);
+  const Workspace& w = ws_full_;
+  auto rows = [T](const Tensor& t) { return t.empty() ? t : t.row_slice(0, T); };
+  LayerStep step{be_, comm_, b, d_positions_, rope_, T, res,
+                 Workspace{rows(w.h), rows(w.qkv), rows(w.attn), rows(w.proj), rows(w.conv), rows(w.core),
+                           rows(w.gate_up), rows(w.act)}};
   be_.embedding(d_tokens_, embed_, res);
   if (n > 1) comm_.all_reduce_sum(res);
-  for (int l = 0; l < cfg_.num_layers; ++l) {
-    const Layer& L = layers_[l];
-    be_.norm_linear(res, RmsNorm{L.input_norm, eps, false, gains_folded_}, L.qkv, cfg_.attn_bias ? &L.qkv_bias : nullptr, h, qkv);
-    KvLayer cache = kv.layer(l);
-    be_.qkv_attention(qkv, shape, cfg_.qk_norm ? &L.q_norm : nullptr, cfg_.qk_norm ? &L.k_norm : nullptr, eps, false,
-                      d_positions_, rope_, b, cache, attn);
-    add_to_residual(attn, L.o);
-    be_.norm_linear_silu_mul(res, RmsNorm{L.post_norm, eps, false, gains_folded_}, L.gate_up, h, gu, act);
-    add_to_residual(act, L.down);
+  for (const DecoderLayer& L : layers_) {
+    if (L.delta_net) L.delta.forward(step, L.input_norm.norm(eps, zc), cfg_, shard_, state->layer(L.cache_index));
+    else L.attention.forward(step, L.input_norm.norm(eps, zc), cfg_, shard_, kv.layer(L.cache_index));
+    L.mlp.forward(step, L.post_norm.norm(eps, zc));
   }
   // Only the rows that sample need the final norm and the LM head.
   if (R == 0) return;
   Tensor sr = sel_res_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
   be_.gather_rows(res, d_logit_rows_, sr);
-  const RmsNorm final_norm{final_norm_, eps, false, gains_folded_ && !cfg_.tie_embeddings};
+  const RmsNorm final_norm = final_norm_.norm(eps, zc);
   if (n == 1) {
     Tensor logits = logits_.row_slice(0, R);
     be_.norm_linear(sr, final_norm, lm_head_, nullptr, sh, logits);

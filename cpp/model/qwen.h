@@ -1,4 +1,5 @@
-// The Qwen2/Qwen3 dense forward pass over a ragged batch, for one tensor-parallel rank.
+// A Qwen model (Qwen2, Qwen3, Qwen3.5 hybrid) on one tensor-parallel rank: the embedding, a plan of decoder
+// layers (model/layers.h), the final norm and the LM head; the forward pass over a ragged batch.
 #pragma once
 #include <map>
 #include <utility>
@@ -8,7 +9,9 @@
 #include "core/buffer.h"
 #include "dist/comm.h"
 #include "kv/kv_cache.h"
+#include "kv/state_cache.h"
 #include "model/config.h"
+#include "model/layers.h"
 #include "model/weights.h"
 
 namespace qrt {
@@ -23,18 +26,12 @@ struct StepInput {
   std::vector<int32_t> ctx_len;     // [S]
   std::vector<int32_t> page_table;  // [S, max_pages]
   std::vector<int32_t> logit_rows;  // [R] rows of the step whose next token is sampled
+  std::vector<int32_t> slots;       // [S] each sequence's slot (its DeltaNet state)
   int max_pages = 0;
   int max_q_len = 0;
   int max_ctx_len = 0;
   int num_tokens() const { return int(tokens.size()); }
   int num_seqs() const { return int(ctx_len.size()); }
-};
-
-// Where weights come from and how they are stored.
-struct WeightSpec {
-  WeightFiles* files = nullptr;  // null: random weights (load_format "dummy")
-  uint64_t dummy_seed = 0;
-  DType dtype = DType::F32;      // storage dtype of matrices and embeddings
 };
 
 struct Limits {
@@ -50,27 +47,23 @@ class QwenModel {
   QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,
             const Progress& progress);
   // Runs one step; returns logits [logit_rows, vocab] (F32, backend memory), valid until the next call.
-  // kv must have been built with kv_cols() columns. sampled: the backend's sampled_tokens() of the step
-  // before, where step.token_src points (may be null when no token_src is set).
-  Tensor forward(const StepInput& step, KvCache& kv, const int32_t* sampled = nullptr);
-  int kv_cols() const { return kv_heads_ * cfg_.head_dim; }  // this rank's K (or V) columns per token
+  // kv must have been built with kv_cols() columns for the attention layers, state (null when the model has no
+  // DeltaNet layer) with delta_net_shape() for the DeltaNet layers. sampled: the backend's sampled_tokens() of the
+  // step before, where step.token_src points (may be null when no token_src is set).
+  Tensor forward(const StepInput& step, KvCache& kv, StateCache* state, const int32_t* sampled = nullptr);
+  int kv_cols() const { return shard_.kv_heads * cfg_.head_dim; }  // this rank's K (or V) columns per token
+  const DeltaNetShape& delta_net_shape() const { return shard_.delta; }
   size_t weight_bytes() const { return weight_bytes_; }
 
  private:
-  struct Layer {
-    Tensor input_norm, post_norm, q_norm, k_norm, qkv_bias;
-    Linear qkv, o, gate_up, down;
-  };
   Tensor alloc_tensor(DType t, int64_t rows, int64_t cols);
-  void load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
-            float dummy_scale, float dummy_offset);
   void load_weights(const Progress& progress);
   void build_rope_table();
   // Uploads the step's metadata (padded to rows when rows > the step's tokens), fills in the tokens that
   // come from `sampled`, and describes the batch.
-  AttnBatch upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, int rows, int max_pages,
-                        int max_ctx);
-  void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv);
+  AttnBatch upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
+                        int max_pages, int max_ctx);
+  void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv, StateCache* state);
   static int graph_bucket(int n, int max_n);
   static int graph_pages(int n, int max_n);
 
@@ -79,17 +72,14 @@ class QwenModel {
   Comm& comm_;
   WeightSpec ws_;
   Limits lim_;
-  int q_heads_, kv_heads_, inter_;   // this rank's share
-  int q_head0_, kv_head0_, inter0_;  // first head / column of this rank
+  Shard shard_;
   int vocab0_, vocab_rows_, vocab_pad_;  // vocab-parallel shard: first row, rows held, rows per rank
   std::vector<Buffer> storage_;
   size_t weight_bytes_ = 0;
-  uint64_t dummy_counter_ = 0;
-  Tensor embed_, final_norm_;
-  bool gains_folded_ = false;  // norm gains multiplied into the matrices they feed (load_weights)
-  Tensor unit_gain_;           // [1, hidden] of ones, the folded norms' gain
+  Tensor embed_;
+  NormGain final_norm_;
   Linear lm_head_;
-  std::vector<Layer> layers_;
+  std::vector<DecoderLayer> layers_;
   Tensor rope_table_;
   RopeTable rope_;
   std::map<std::pair<int, int>, int> graphs_;  // (decode batch bucket, page-table columns) -> captured graph
@@ -98,7 +88,8 @@ class QwenModel {
   const int32_t* d_logit_rows_ = nullptr;
   // Workspace.
   Tensor meta_;  // int32 metadata uploaded each step
-  Tensor residual_, hidden_, qkv_, attn_, gate_up_, act_, sel_res_, sel_h_, logits_;
+  Tensor residual_, sel_res_, sel_h_, logits_;
+  Workspace ws_full_;  // [max_tokens, ...] each
   Tensor logits_gathered_;  // [ranks * max_seqs, vocab_pad_]: every rank's shard, rank-major
   Tensor logits_view(int rows) const;
 };

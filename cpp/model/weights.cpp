@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "backend/random.h"
 #include "core/error.h"
 
 namespace qrt {
@@ -57,13 +58,16 @@ void WeightFiles::read(Backend& be, const std::string& name, int64_t full_rows, 
   } else if (t.shape.size() == 2) {
     rows = t.shape[0];
     cols = t.shape[1];
+  } else if (t.shape.size() == 3 && t.shape[1] == 1) {  // a depthwise conv's [channels, 1, width]
+    rows = t.shape[0];
+    cols = t.shape[2];
   }
   auto shape_str = [&] {
     std::string s = "[";
     for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
     return s + "]";
   };
-  QRT_CHECK_ARG(t.shape.size() <= 2 && rows == full_rows && cols == full_cols, "tensor '", name,
+  QRT_CHECK_ARG((t.shape.size() <= 2 || (t.shape.size() == 3 && t.shape[1] == 1)) && rows == full_rows && cols == full_cols, "tensor '", name,
                 "' has shape ", shape_str(), ", expected [", full_rows, ", ", full_cols, "]");
   DType st;
   try {
@@ -97,6 +101,44 @@ void WeightFiles::read(Backend& be, const std::string& name, int64_t full_rows, 
                   size_t(dst.cols * dst_esz));
     }
   }
+}
+
+WeightLoader::WeightLoader(Backend& be, const WeightSpec& spec, std::vector<Buffer>& storage)
+    : be_(be), spec_(spec), storage_(storage) {
+  folds_ = be.folds_norm_gains() && spec.dtype == be.act_dtype() && (spec.dtype == DType::BF16 || spec.dtype == DType::F16);
+}
+
+Tensor WeightLoader::alloc(DType t, int64_t rows, int64_t cols) {
+  storage_.emplace_back(&be_, size_t(rows) * size_t(cols) * dtype_size(t));
+  return storage_.back().tensor(t, rows, cols);
+}
+
+void WeightLoader::load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
+                        float dummy_scale, float dummy_offset) {
+  if (spec_.files) spec_.files->read(be_, name, rows, cols, r0, c0, dst);
+  else be_.fill_random(dst, hash3(spec_.dummy_seed, counter_++, 0), dummy_scale, dummy_offset, r0, c0);
+}
+
+Tensor WeightLoader::vector(const std::string& name, int64_t size, int64_t c0, int64_t n, float dummy_scale,
+                            float dummy_offset) {
+  Tensor t = alloc(DType::F32, 1, n);
+  load(name, 1, size, 0, c0, t, dummy_scale, dummy_offset);
+  return t;
+}
+
+Tensor WeightLoader::norm_gain(const std::string& name, int64_t n, bool zero_centred, Tensor* w) {
+  const float dummy = zero_centred ? 0.f : 1.f;
+  if (!folds_ || !w) return vector(name, n, 0, n, 0.f, dummy);
+  Tensor& g = staging_[n];
+  if (g.empty()) g = alloc(DType::F32, 1, n);
+  load(name, 1, n, 0, 0, g, 0.f, dummy);
+  be_.scale_columns(*w, g, zero_centred);
+  Tensor& one = ones_[n];
+  if (one.empty()) {
+    one = alloc(DType::F32, 1, n);
+    be_.fill_random(one, 0, 0.f, 1.0f, 0, 0);  // exactly 1: fma(0, u, 1)
+  }
+  return one;
 }
 
 }  // namespace qrt

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/ops.h"
+#include "core/buffer.h"
 
 namespace qrt {
 
@@ -30,7 +31,8 @@ class WeightFiles {
   explicit WeightFiles(const std::vector<TensorSource>& tensors);
   ~WeightFiles();
   bool has(const std::string& name) const { return index_.count(name) > 0; }
-  // Shape of a tensor as a matrix: 1-D tensors are [1, n]. Throws std::invalid_argument if missing.
+  // Shape of a tensor as a matrix: 1-D tensors are [1, n], a depthwise conv's [c, 1, w] is [c, w].
+  // Throws std::invalid_argument if missing.
   const TensorSource& find(const std::string& name) const;
   // Copies rows [r0, r0 + dst.rows) and cols [c0, c0 + dst.cols) of the named tensor into dst
   // (backend memory, any float dtype), converting the dtype. Checks the full shape first.
@@ -43,6 +45,46 @@ class WeightFiles {
   std::map<std::string, TensorSource> index_;
   std::mutex maps_mu_;
   std::map<std::string, Mapping> maps_;
+};
+
+// Where weights come from and how they are stored.
+struct WeightSpec {
+  WeightFiles* files = nullptr;  // null: random weights (load_format "dummy")
+  uint64_t dummy_seed = 0;
+  DType dtype = DType::F32;      // storage dtype of matrices and embeddings
+};
+
+// Allocates one rank's weights on its backend and fills them from the checkpoint (the rank's slice of a tensor) or
+// with random values (dummy: each load draws the next seed, so ranks loading in the same order get slices of the
+// same matrices). Gains are fp32; a norm's gain may be folded into the 16-bit matrix it feeds (folds_gains()).
+class WeightLoader {
+ public:
+  static constexpr float kWeightScale = 0.034641016f;  // dummy matrices: uniform with std 0.02 (0.02 * sqrt(3))
+  WeightLoader(Backend& be, const WeightSpec& spec, std::vector<Buffer>& storage);
+  Backend& backend() const { return be_; }
+  DType dtype() const { return spec_.dtype; }
+  bool dummy() const { return spec_.files == nullptr; }
+  bool has(const std::string& name) const { return spec_.files && spec_.files->has(name); }
+  Tensor alloc(DType t, int64_t rows, int64_t cols);  // kept until the model goes
+  // dst = rows [r0, r0 + dst.rows) x cols [c0, c0 + dst.cols) of the [rows, cols] tensor name; dummy:
+  // fma(scale, uniform(-1, 1), offset).
+  void load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
+            float dummy_scale = kWeightScale, float dummy_offset = 0.f);
+  // Columns [c0, c0 + n) of the vector `name` of `size` values, as fp32 [1, n].
+  Tensor vector(const std::string& name, int64_t size, int64_t c0, int64_t n, float dummy_scale, float dummy_offset);
+  // Whether norm gains are multiplied into the matrices they feed (a backend's fused norm is faster without one).
+  bool folds_gains() const { return folds_; }
+  // The gain [1, n] of the norm `name` that feeds w: loaded, or folded into w (then a gain of ones, shared).
+  // zero_centred: the gain is 1 + w (Qwen3.5). Dummy gains: 1 (0 when zero-centred).
+  Tensor norm_gain(const std::string& name, int64_t n, bool zero_centred, Tensor* w);
+
+ private:
+  Backend& be_;
+  WeightSpec spec_;
+  std::vector<Buffer>& storage_;
+  uint64_t counter_ = 0;
+  bool folds_ = false;
+  std::map<int64_t, Tensor> ones_, staging_;  // by width: unit gains, and the buffer a folded gain is read into
 };
 
 }  // namespace qrt

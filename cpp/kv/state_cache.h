@@ -1,0 +1,32 @@
+// StateCache: one rank's Gated DeltaNet state (ops.h StateLayer) for every slot of every DeltaNet layer.
+// Slot ids are the scheduler's slots; one more, the scratch slot, takes what padded graph rows write.
+#pragma once
+#include <cstddef>
+
+#include "core/buffer.h"
+
+namespace qrt {
+
+class StateCache {
+ public:
+  // num_layers: the model's DeltaNet layers; shape: this rank's share of their heads.
+  StateCache(Backend& be, int num_layers, int num_slots, const DeltaNetShape& shape, DType conv_dtype);
+  StateLayer layer(int i) const;  // i counts DeltaNet layers only
+  int scratch_slot() const { return slots_; }
+  static size_t bytes_per_slot(int num_layers, const DeltaNetShape& shape, DType conv_dtype) {
+    return size_t(num_layers) * (conv_bytes(shape, conv_dtype) + recurrent_bytes(shape));
+  }
+
+ private:
+  static size_t conv_bytes(const DeltaNetShape& s, DType t) {
+    return size_t(s.conv_kernel - 1) * size_t(s.conv_cols()) * dtype_size(t);
+  }
+  static size_t recurrent_bytes(const DeltaNetShape& s) { return size_t(s.v_heads) * s.k_dim * s.v_dim * 4; }
+
+  int layers_, slots_;
+  DeltaNetShape shape_;
+  DType conv_dtype_;
+  Buffer conv_, recurrent_;
+};
+
+}  // namespace qrt

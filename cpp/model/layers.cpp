@@ -1,0 +1,150 @@
+#include "model/layers.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace qrt {
+
+Shard::Shard(const ModelConfig& c, int r, int n) : rank(r), ranks(n) {
+  QRT_CHECK_ARG(c.num_q_heads % n == 0, "tensor_parallel_size ", n, " does not divide the ", c.num_q_heads,
+                " attention heads");
+  QRT_CHECK_ARG(c.intermediate_size % n == 0, "tensor_parallel_size ", n, " does not divide intermediate_size ",
+                c.intermediate_size);
+  q_heads = c.num_q_heads / n;
+  q_head0 = r * q_heads;
+  if (c.num_kv_heads % n == 0) {
+    kv_heads = c.num_kv_heads / n;
+    kv_head0 = r * kv_heads;
+  } else {
+    QRT_CHECK_ARG(n % c.num_kv_heads == 0, "tensor_parallel_size ", n, " and ", c.num_kv_heads,
+                  " KV heads: one must divide the other");
+    kv_heads = 1;  // replicated: several ranks share one KV head
+    kv_head0 = r * c.num_kv_heads / n;
+  }
+  inter = c.intermediate_size / n;
+  inter0 = r * inter;
+  if (c.num_delta_net_layers() > 0) {
+    QRT_CHECK_ARG(c.linear_k_heads % n == 0 && c.linear_v_heads % n == 0, "tensor_parallel_size ", n,
+                  " does not divide the DeltaNet heads (", c.linear_k_heads, " key, ", c.linear_v_heads, " value)");
+    delta = DeltaNetShape{c.linear_k_heads / n, c.linear_v_heads / n, c.linear_k_dim, c.linear_v_dim,
+                          c.linear_conv_kernel};
+    k_head0 = r * delta.k_heads;
+    v_head0 = r * delta.v_heads;
+  }
+}
+
+void add_to_residual(LayerStep& s, const Tensor& x, const Linear& w) {
+  if (s.comm.rank() == 0) s.be.linear_add(x, w, s.residual);
+  else s.be.linear(x, w, nullptr, s.residual);
+  if (s.comm.size() > 1) s.comm.all_reduce_sum(s.residual);
+}
+
+// --- attention ------------------------------------------------------------------------------------------------
+
+int64_t AttentionLayer::proj_cols(const ModelConfig& c, const Shard& sh) {
+  return int64_t(sh.q_heads * (c.attn_output_gate ? 2 : 1) + 2 * sh.kv_heads) * c.head_dim;
+}
+
+void AttentionLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const int64_t H = c.hidden_size, D = c.head_dim, qn = int64_t(sh.q_heads) * D, kn = int64_t(sh.kv_heads) * D;
+  const int64_t q_rows = int64_t(c.num_q_heads) * D * (c.attn_output_gate ? 2 : 1), kv_rows = int64_t(c.num_kv_heads) * D;
+  qkv.w = ld.alloc(ld.dtype(), proj_cols(c, sh), H);
+  if (c.attn_output_gate) {  // q_proj rows per head: D of q, then D of the gate; ours: q | k | v | gate
+    for (int i = 0; i < sh.q_heads; ++i) {
+      const int64_t head = sh.q_head0 + i;
+      ld.load(p + "q_proj.weight", q_rows, H, head * 2 * D, 0, qkv.w.row_slice(i * D, D));
+      ld.load(p + "q_proj.weight", q_rows, H, head * 2 * D + D, 0, qkv.w.row_slice(qn + 2 * kn + i * D, D));
+    }
+  } else {
+    ld.load(p + "q_proj.weight", q_rows, H, int64_t(sh.q_head0) * D, 0, qkv.w.row_slice(0, qn));
+  }
+  ld.load(p + "k_proj.weight", kv_rows, H, int64_t(sh.kv_head0) * D, 0, qkv.w.row_slice(qn, kn));
+  ld.load(p + "v_proj.weight", kv_rows, H, int64_t(sh.kv_head0) * D, 0, qkv.w.row_slice(qn + kn, kn));
+  if (c.attn_bias) {
+    bias = ld.alloc(DType::F32, 1, qn + 2 * kn);
+    const float sc = WeightLoader::kWeightScale;
+    ld.load(p + "q_proj.bias", 1, q_rows, 0, int64_t(sh.q_head0) * D, bias.col_slice(0, qn), sc);
+    ld.load(p + "k_proj.bias", 1, kv_rows, 0, int64_t(sh.kv_head0) * D, bias.col_slice(qn, kn), sc);
+    ld.load(p + "v_proj.bias", 1, kv_rows, 0, int64_t(sh.kv_head0) * D, bias.col_slice(qn + kn, kn), sc);
+  }
+  if (c.qk_norm) {
+    const float dummy = c.zero_centred_norms ? 0.f : 1.f;
+    q_norm = ld.vector(p + "q_norm.weight", D, 0, D, 0.f, dummy);
+    k_norm = ld.vector(p + "k_norm.weight", D, 0, D, 0.f, dummy);
+  }
+  o.w = ld.alloc(ld.dtype(), H, qn);
+  ld.load(p + "o_proj.weight", H, int64_t(c.num_q_heads) * D, 0, int64_t(sh.q_head0) * D, o.w);
+}
+
+void AttentionLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh,
+                             KvLayer cache) const {
+  const int D = c.head_dim;
+  const int64_t qn = int64_t(sh.q_heads) * D, kn = int64_t(sh.kv_heads) * D;
+  const AttnShape shape{sh.q_heads, sh.kv_heads, D, 1.0f / std::sqrt(float(D))};
+  Tensor proj = s.ws.qkv, out = s.ws.attn;
+  s.be.norm_linear(s.residual, norm, qkv, c.attn_bias ? &bias : nullptr, s.ws.h, proj);
+  Tensor q_k_v = c.attn_output_gate ? proj.col_slice(0, qn + 2 * kn) : proj;
+  s.be.qkv_attention(q_k_v, shape, c.qk_norm ? &q_norm : nullptr, c.qk_norm ? &k_norm : nullptr, c.rms_eps,
+                     c.zero_centred_norms, s.positions, s.rope, s.batch, cache, out);
+  if (c.attn_output_gate) s.be.sigmoid_mul(out, proj.col_slice(qn + 2 * kn, qn));
+  add_to_residual(s, out, o);
+}
+
+// --- Gated DeltaNet --------------------------------------------------------------------------------------------
+
+void DeltaNetLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const DeltaNetShape& d = sh.delta;
+  const int64_t H = c.hidden_size, dk = d.k_dim, dv = d.v_dim, K = d.conv_kernel;
+  const int64_t Hk = c.linear_k_heads, Hv = c.linear_v_heads, qk = d.qk_cols(), vn = d.v_cols();
+  const int64_t conv_all = 2 * Hk * dk + Hv * dv;
+  // The rows of this rank's heads in a [q of every key head | k | v] tensor, at dst rows [0, conv_cols).
+  auto load_qkv_rows = [&](const std::string& name, int64_t cols, Tensor dst) {
+    ld.load(name, conv_all, cols, sh.k_head0 * dk, 0, dst.row_slice(0, qk));
+    ld.load(name, conv_all, cols, Hk * dk + sh.k_head0 * dk, 0, dst.row_slice(qk, qk));
+    ld.load(name, conv_all, cols, 2 * Hk * dk + sh.v_head0 * dv, 0, dst.row_slice(2 * qk, vn));
+  };
+  in_proj.w = ld.alloc(ld.dtype(), proj_cols(sh), H);
+  load_qkv_rows(p + "in_proj_qkv.weight", H, in_proj.w);
+  ld.load(p + "in_proj_z.weight", Hv * dv, H, sh.v_head0 * dv, 0, in_proj.w.row_slice(d.conv_cols(), vn));
+  ld.load(p + "in_proj_b.weight", Hv, H, sh.v_head0, 0, in_proj.w.row_slice(d.conv_cols() + vn, d.v_heads));
+  ld.load(p + "in_proj_a.weight", Hv, H, sh.v_head0, 0, in_proj.w.row_slice(d.conv_cols() + vn + d.v_heads, d.v_heads));
+  conv_w = ld.alloc(ld.backend().act_dtype(), d.conv_cols(), K);
+  load_qkv_rows(p + "conv1d.weight", K, conv_w);
+  a_log = ld.vector(p + "A_log", Hv, sh.v_head0, d.v_heads, 1.0f, 0.f);
+  dt_bias = ld.vector(p + "dt_bias", Hv, sh.v_head0, d.v_heads, 0.f, 1.0f);
+  norm_w = ld.vector(p + "norm.weight", dv, 0, dv, 0.f, 1.0f);
+  out.w = ld.alloc(ld.dtype(), H, vn);
+  ld.load(p + "out_proj.weight", H, Hv * dv, 0, sh.v_head0 * dv, out.w);
+}
+
+void DeltaNetLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh,
+                            StateLayer state) const {
+  const DeltaNetShape& d = sh.delta;
+  const int64_t cc = d.conv_cols(), vn = d.v_cols();
+  Tensor proj = s.ws.proj, conv = s.ws.conv, core = s.ws.core;
+  s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, proj);
+  s.be.causal_conv1d(proj.col_slice(0, cc), conv_w, s.batch, d, state, conv);
+  s.be.gated_delta_rule(conv, proj.col_slice(cc + vn + d.v_heads, d.v_heads), proj.col_slice(cc + vn, d.v_heads),
+                        a_log, dt_bias, s.batch, d, state, core);
+  s.be.gated_rms_norm(core, proj.col_slice(cc, vn), norm_w, c.rms_eps, d.v_dim);
+  add_to_residual(s, core, out);
+}
+
+// --- MLP -------------------------------------------------------------------------------------------------------
+
+void Mlp::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  gate_up.w = ld.alloc(ld.dtype(), 2 * int64_t(sh.inter), H);
+  ld.load(p + "gate_proj.weight", I, H, sh.inter0, 0, gate_up.w.row_slice(0, sh.inter));
+  ld.load(p + "up_proj.weight", I, H, sh.inter0, 0, gate_up.w.row_slice(sh.inter, sh.inter));
+  down.w = ld.alloc(ld.dtype(), H, sh.inter);
+  ld.load(p + "down_proj.weight", H, I, 0, sh.inter0, down.w);
+}
+
+void Mlp::forward(LayerStep& s, const RmsNorm& norm) const {
+  s.be.norm_linear_silu_mul(s.residual, norm, gate_up, s.ws.h, s.ws.gate_up, s.ws.act);
+  add_to_residual(s, s.ws.act, down);
+}
+
+}  // namespace qrt
