@@ -42,7 +42,7 @@ base_kwargs = M.base_kwargs
 def build(tmp_path_factory):
     """build(name) -> folder of fixture config `name` (built once); "<name>+legacy" gives the same
     weights with a pre-transformers-5 config.json (top-level rope_theta + rope_scaling), "<name>+notok" the
-    same model without tokenizer.json."""
+    same model without tokenizer.json, "<name>+multimodal" a Qwen3.5 model in Qwen's multimodal layout."""
     cache: dict[str, Path] = {}
     lock = threading.Lock()
 
@@ -58,6 +58,8 @@ def build(tmp_path_factory):
                     M.to_legacy_rope(dst)
                 elif variant == "notok":  # the same model without its tokenizer
                     (dst / "tokenizer.json").unlink()
+                elif variant == "multimodal":  # a Qwen3.5 model in Qwen's Qwen3_5ForConditionalGeneration layout
+                    M.to_multimodal_layout(dst)
                 else:
                     raise KeyError(name)
                 cache[name] = dst

@@ -160,14 +160,32 @@ CONFIGS: dict[str, dict] = {
                             head_dim=64, num_hidden_layers=2, tie_word_embeddings=False),
     "qwen2_hd64_bias": dict(arch="Qwen2ForCausalLM", num_attention_heads=2, num_key_value_heads=1,
                             hidden_size=128, num_hidden_layers=2, tie_word_embeddings=True),
+    # Qwen3.5 hybrids (Gated DeltaNet + gated attention, partial RoPE 0.25, zero-centred norms).
+    # transformers' default plan (every 4th layer attention), value/key heads 2, untied; 4 key heads, so TP=4 runs.
+    "qwen35_hybrid": dict(arch="Qwen3_5ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_hidden_layers=4, tie_word_embeddings=False, linear_num_key_heads=4,
+                          linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16),
+    # Attention first, value/key heads 1, odd head dims, conv width 3, tied.
+    "qwen35_mixed_tied": dict(arch="Qwen3_5ForCausalLM", num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                              num_hidden_layers=5, tie_word_embeddings=True, linear_num_key_heads=2,
+                              linear_num_value_heads=2, linear_key_head_dim=12, linear_value_head_dim=20,
+                              linear_conv_kernel_dim=3,
+                              layer_types=["full_attention", "linear_attention", "full_attention",
+                                           "linear_attention", "linear_attention"]),
+    # value/key heads 3, head_dim 64 (a real size for the GPU kernels).
+    "qwen35_ratio3": dict(arch="Qwen3_5ForCausalLM", num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                          num_hidden_layers=3, tie_word_embeddings=False, linear_num_key_heads=2,
+                          linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=16,
+                          layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
+HYBRID_CONFIGS = [n for n, c in CONFIGS.items() if c["arch"] == "Qwen3_5ForCausalLM"]
 
 COMMON = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
 ROPE_THETA = 1e6
 
 
 def make_config(name: str, vocab_size: int):
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import Qwen2Config, Qwen3Config, Qwen3_5TextConfig
 
     spec = dict(CONFIGS[name])
     arch = spec.pop("arch")
@@ -178,7 +196,10 @@ def make_config(name: str, vocab_size: int):
     sp = special_ids()
     kw = dict(COMMON, **spec, vocab_size=vocab_size, rope_parameters=rope,
               bos_token_id=None, eos_token_id=sp["<|im_end|>"], pad_token_id=sp["<|endoftext|>"])
-    cls = Qwen3Config if arch == "Qwen3ForCausalLM" else Qwen2Config
+    if arch == "Qwen3_5ForCausalLM":
+        rope["partial_rotary_factor"] = 0.25
+    cls = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config,
+           "Qwen3_5ForCausalLM": Qwen3_5TextConfig}[arch]
     if cls is Qwen2Config:
         kw.pop("head_dim", None)
     cfg = cls(**kw)
@@ -224,6 +245,24 @@ def build_model(folder: Path, name: str, seed: int = 1234) -> Path:
                            pad_token_id=sp["<|endoftext|>"], bos_token_id=None)
     gen.save_pretrained(str(folder))
     return folder
+
+
+def to_multimodal_layout(folder: Path) -> None:
+    """Rewrites a Qwen3_5ForCausalLM folder as Qwen's checkpoints are laid out
+    (Qwen3_5ForConditionalGeneration): the text config under text_config, text weights under
+    model.language_model., plus vision and MTP tensors that a text-only load skips."""
+    def fn(c):
+        text = {k: v for k, v in c.items() if k not in ("architectures", "transformers_version", "dtype")}
+        text["model_type"] = "qwen3_5_text"
+        return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                "text_config": text, "vision_config": {"depth": 1, "hidden_size": 16},
+                "tie_word_embeddings": c["tie_word_embeddings"], "dtype": c.get("dtype", "float32")}
+    edit_json(Path(folder) / "config.json", fn)
+    state = load_state(folder)
+    out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    out["model.visual.patch_embed.proj.weight"] = torch.randn(16, 3, 2, 2)
+    out["mtp.fc.weight"] = torch.randn(4, 8)
+    save_state(folder, out)
 
 
 def copy_folder(src: Path, dst: Path) -> Path:

@@ -7,8 +7,11 @@ import numpy as np
 
 from . import _core
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+# Qwen3.5 / 3.6 / 3.8 (model_type qwen3_5): text weights under this prefix in the ForConditionalGeneration layout.
+MULTIMODAL_PREFIX = "model.language_model."
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -49,12 +52,24 @@ def _number(where: str, key: str, v) -> float:
     return float(v)
 
 
-def rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies (float32, computed as transformers does) and the attention factor. Qwen2 and Qwen3
-    rotate every dimension of a head (transformers' Qwen2/Qwen3 ignore partial_rotary_factor)."""
+def rotary_dim(cfg: dict, arch: str, head_dim: int) -> int:
+    """Dimensions of a head that RoPE rotates: all of them for Qwen2/Qwen3 (transformers' ignore
+    partial_rotary_factor), head_dim * partial_rotary_factor (default 0.25) for Qwen3.5."""
+    if arch != "qwen3_5":
+        return head_dim
+    p = _rope_parameters(cfg)
+    f = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    dim = int(head_dim * _number("rope_parameters' ", "partial_rotary_factor", f))
+    if not 2 <= dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {f} gives {dim} rotary dimensions of head_dim {head_dim}")
+    return dim
+
+
+def rope_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies of the dim rotated dimensions (float32, computed as transformers does) and the
+    attention factor."""
     p = _rope_parameters(cfg)
     base = _number("", "rope_theta", p["rope_theta"])
-    dim = head_dim
     kind = p["rope_type"]
     pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
     inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
@@ -150,23 +165,54 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     # As transformers' Qwen2/Qwen3 configs: an absent key is their default (32), a null one means one per q head.
     kv = cfg.get("num_key_value_heads", 32)
     c.num_kv_heads = int(c.num_q_heads if kv is None else kv)
-    # transformers' Qwen3Config defaults head_dim to 128; Qwen2's is hidden_size / heads.
-    c.head_dim = int(cfg.get("head_dim") or (128 if arch == "qwen3" else c.hidden_size // c.num_q_heads))
+    # transformers' Qwen3Config defaults head_dim to 128, Qwen3.5's to 256; Qwen2's is hidden_size / heads.
+    default_head_dim = {"qwen3": 128, "qwen3_5": 256}.get(arch, c.hidden_size // c.num_q_heads)
+    c.head_dim = int(cfg.get("head_dim") or default_head_dim)
     c.intermediate_size = int(need("intermediate_size"))
     eps = cfg.get("rms_norm_eps")
     c.rms_eps = 1e-6 if eps is None else _number("", "rms_norm_eps", eps)
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
-    if arch == "qwen3" and cfg.get("attention_bias"):
+    if arch in ("qwen3", "qwen3_5") and cfg.get("attention_bias"):
         raise ValueError("attention_bias on a Qwen3 model (biases on q/k/v and o_proj) is not supported")
     c.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
     c.attn_bias = arch == "qwen2"  # Qwen2: q/k/v biases (o_proj has none)
-    c.qk_norm = arch == "qwen3"
+    c.qk_norm = arch in ("qwen3", "qwen3_5")
+    if arch == "qwen3_5":
+        _hybrid_fields(cfg, c)
     c.max_position_embeddings = context_limit(cfg, int(need("max_position_embeddings")))
     _check_full_attention(cfg, c.max_position_embeddings)
-    inv, af = rope_inv_freq(cfg, c.head_dim)
+    inv, af = rope_inv_freq(cfg, rotary_dim(cfg, arch, c.head_dim))
     c.rope_inv_freq = [float(x) for x in inv]
     c.rope_attention_factor = af
     c.weight_prefix = "model."
     return c
+
+
+def _hybrid_fields(cfg: dict, c: "_core.ModelConfig") -> None:
+    """Qwen3.5's layer plan (Gated DeltaNet and gated attention layers) and its DeltaNet sizes, with
+    transformers' Qwen3_5TextConfig defaults."""
+    c.zero_centred_norms = True
+    c.attn_output_gate = True
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json's full_attention_interval must be a positive integer, got {interval!r}")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(c.num_layers)]
+    if not isinstance(types, list) or len(types) != c.num_layers or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"config.json's layer_types must list a type for each of the {c.num_layers} layers")
+    bad = sorted(set(types) - {"full_attention", "linear_attention"})
+    if bad:
+        raise ValueError(f"layer type {bad[0]!r} is not supported (full_attention, linear_attention)")
+    c.layer_types = types
+    for field, key, default in (("linear_k_heads", "linear_num_key_heads", 16),
+                                ("linear_v_heads", "linear_num_value_heads", 32),
+                                ("linear_k_dim", "linear_key_head_dim", 128),
+                                ("linear_v_dim", "linear_value_head_dim", 128),
+                                ("linear_conv_kernel", "linear_conv_kernel_dim", 4)):
+        v = cfg.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"config.json's {key} must be a positive integer, got {v!r}")
+        setattr(c, field, v)

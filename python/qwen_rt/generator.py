@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from . import _core
-from .config import FLOAT_DTYPES, native_config, config_dtype
+from .config import FLOAT_DTYPES, MULTIMODAL_PREFIX, native_config, config_dtype
 from .model_files import resolve, same_tensor, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
@@ -322,8 +322,11 @@ class Generator:
         self.config = text_config(files.config)
         self.generation_config = dict(files.generation_config)
         ncfg = native_config(self.config)
+        if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors):  # Qwen3.5's multimodal layout
+            ncfg.weight_prefix = MULTIMODAL_PREFIX
         # As transformers 5: tied embeddings, but the checkpoint has its own, different lm_head: that one is used.
-        head, embed = files.tensors.get("lm_head.weight"), files.tensors.get("model.embed_tokens.weight")
+        head = files.tensors.get("lm_head.weight")
+        embed = files.tensors.get(ncfg.weight_prefix + "embed_tokens.weight")
         if ncfg.tie_embeddings and head is not None and not same_tensor(head, embed):
             ncfg.tie_embeddings = False
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(files.root) if files.root else None
