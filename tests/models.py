@@ -437,6 +437,7 @@ MARGIN = 1e-3
 
 def model_info(folder) -> dict:
     cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
     heads = cfg["num_attention_heads"]
     return dict(
         vocab_size=cfg["vocab_size"],

@@ -34,6 +34,7 @@ _ALIASES = {
     "qwen/qwen3-32b": "qwen3-32b",
     "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen3.8-27b": "qwen3.8-27b",
 }
 
 _HUB_PATTERNS_META = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
