@@ -74,26 +74,40 @@ def _hf_config(model: str):
 
 
 def _cfg_numbers(cfg: dict) -> dict:
+    """Sizes the roofline needs. Hybrid (Qwen3.5) models: attention layers have a q_proj twice as wide (the output
+    gate), DeltaNet layers have in_proj (q|k|v, z, a, b) and out_proj, and an fp32 state per sequence."""
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = cfg.get("head_dim") or H // hq
     inter = cfg["intermediate_size"]
-    layer = H * (hq + 2 * hkv) * D + hq * D * H + 3 * H * inter
-    return dict(H=H, L=L, V=V, hq=hq, hkv=hkv, D=D, matmul_params=L * layer, lm_head=V * H,
-                kv_bytes_per_token=L * 2 * hkv * D * 2, tied=bool(cfg.get("tie_word_embeddings")))
+    types = cfg.get("layer_types") or ["full_attention"] * L
+    n_attn, n_delta = types.count("full_attention"), types.count("linear_attention")
+    gate = 2 if cfg.get("model_type", "").startswith("qwen3_5") else 1
+    attn = H * (gate * hq + 2 * hkv) * D + hq * D * H
+    hk, hv = cfg.get("linear_num_key_heads", 0), cfg.get("linear_num_value_heads", 0)
+    dk, dv = cfg.get("linear_key_head_dim", 0), cfg.get("linear_value_head_dim", 0)
+    delta = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H
+    return dict(H=H, L=L, V=V, hq=hq, hkv=hkv, D=D, n_attn=n_attn, n_delta=n_delta,
+                matmul_params=n_attn * attn + n_delta * delta + L * 3 * H * inter, lm_head=V * H,
+                kv_bytes_per_token=n_attn * 2 * hkv * D * 2, state_bytes=n_delta * hv * dk * dv * 4,
+                delta_flops_per_token=n_delta * hv * dk * dv * 8, tied=bool(cfg.get("tie_word_embeddings")))
 
 
 def step_bytes(cfg: dict, batch: int, ctx: float) -> float:
-    """Bytes one decode step must read in bf16: every matrix once, the LM head, the norms, the KV of
-    every sequence."""
+    """Bytes one decode step must read in bf16: every matrix once, the LM head, the norms, the KV of every
+    sequence, and each sequence's DeltaNet state read and written (hybrid models)."""
     c = _cfg_numbers(cfg)
     norms = c["L"] * (2 * c["H"] + 2 * c["D"]) * 4 + c["H"] * 4
-    return 2 * (c["matmul_params"] + c["lm_head"]) + norms + batch * ctx * c["kv_bytes_per_token"]
+    return (2 * (c["matmul_params"] + c["lm_head"]) + norms + batch * ctx * c["kv_bytes_per_token"]
+            + batch * 2 * c["state_bytes"])
 
 
 def prefill_flops(cfg: dict, n: int) -> float:
+    """Matmuls, causal attention (n^2 / 2 scores and as many products per head), the DeltaNet recurrence counted
+    token by token (decay, read, update, output: 8 dk dv per value head)."""
     c = _cfg_numbers(cfg)
-    return 2 * n * c["matmul_params"] + 2 * c["L"] * c["hq"] * c["D"] * n * n + 2 * c["lm_head"]
+    return (2 * n * c["matmul_params"] + 2 * c["n_attn"] * c["hq"] * c["D"] * n * n + 2 * c["lm_head"]
+            + n * c["delta_flops_per_token"])
 
 
 TP = 1  # --tensor-parallel-size
