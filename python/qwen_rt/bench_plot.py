@@ -73,8 +73,10 @@ def plot_record(rec: dict, path: str) -> None:
             (line,) = ax.plot(batches, tok_s, "o-", label=label)
             colours[label] = line.get_color()
         for label, (batches, tok_s) in roofline.items():
-            model = label.removesuffix(" roofline")
-            ax.plot(batches, tok_s, "--", color=colours.get(model, "grey"), label=label)
+            # Drawn in the colour of the line it bounds: the same model (GPU) or qwen_rt's line of its dtype (CPU).
+            colour = next((c for name, c in colours.items()
+                           if label.startswith(name + " ") or name.split()[-1] in label.split()), "grey")
+            ax.plot(batches, tok_s, "--", color=colour, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch (sequences)")
