@@ -1,58 +1,65 @@
-# Builds the CUDA plugin when QWEN_RT_CUDA is ON, or AUTO and nvcc is found.
-# cuBLASLt and NCCL may come from the CUDA toolkit or from the pip packages nvidia-cublas / nvidia-nccl-cu13.
-if(QWEN_RT_CUDA STREQUAL "OFF")
-  message(STATUS "qwen_rt: CUDA backend off")
-  return()
-endif()
+# Builds the CUDA plugin (_cuda_backend.so): with QWEN_RT_CUDA=ON, or AUTO (the default) when nvcc is found.
+# An nvcc that is found but cannot build the plugin (cuBLASLt or NCCL missing) stops the build with the reason,
+# also under AUTO: a CPU-only library the user did not ask for is worse than an error (QWEN_RT_CUDA=OFF asks).
+# cuBLASLt and NCCL come from pip's nvidia-cublas / nvidia-nccl-cu13 (or a CUDA toolkit's copies); at run time
+# the plugin finds them through its RPATH (the packages beside qwen_rt in site-packages) or where Python finds
+# the packages (qwen_rt/_native_libraries.py).
 
-# Something the plugin needs is missing: an error with QWEN_RT_CUDA=ON, else a CPU-only build.
-macro(qrt_no_cuda level reason)
-  if(QWEN_RT_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "qwen_rt: QWEN_RT_CUDA=ON but ${reason}")
-  endif()
-  message(${level} "qwen_rt: CPU-only build: ${reason}")
+# No plugin: the reason is compiled into the native module, which reports it (`qwen-rt info`).
+macro(qrt_cpu_only reason)
+  message(STATUS "qwen_rt: CPU-only build: ${reason}")
+  target_compile_definitions(qrt_base PRIVATE "QRT_CUDA_BUILD_NOTE=\"${reason}\"")
   return()
 endmacro()
+
+if(QWEN_RT_CUDA STREQUAL "OFF")
+  qrt_cpu_only("QWEN_RT_CUDA=OFF")
+endif()
 
 include(CheckLanguage)
 check_language(CUDA)
 if(NOT CMAKE_CUDA_COMPILER)
-  qrt_no_cuda(STATUS "no CUDA compiler (nvcc) was found")
+  if(QWEN_RT_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "qwen_rt: QWEN_RT_CUDA=ON but no CUDA compiler (nvcc) was found (PATH, CUDACXX)")
+  endif()
+  qrt_cpu_only("no CUDA compiler (nvcc) was found when it was built")
 endif()
 
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES 80 90a)  # 90a: Hopper-only instructions (wgmma prefill attention)
+  # A100 (sm_80) and H100/H200 (sm_90a: Hopper-only instructions, the wgmma prefill attention) machine code,
+  # plus compute_90 PTX that the driver compiles for newer GPUs.
+  set(CMAKE_CUDA_ARCHITECTURES 80-real 90a-real 90-virtual)
 endif()
 enable_language(CUDA)
 set(CMAKE_CUDA_STANDARD 17)
 find_package(CUDAToolkit REQUIRED)
 
-# Folders of pip's NVIDIA packages in the building Python, as hints.
-execute_process(
-  COMMAND "${Python_EXECUTABLE}" -c
-    "import importlib.util as u, os\nfor m in ('nvidia.cu13', 'nvidia.cublas', 'nvidia.nccl'):\n    try:\n        s = u.find_spec(m)\n    except Exception:\n        s = None\n    if s and s.submodule_search_locations:\n        print(list(s.submodule_search_locations)[0])"
-  OUTPUT_VARIABLE QRT_PIP_NVIDIA OUTPUT_STRIP_TRAILING_WHITESPACE)
-string(REPLACE "\n" ";" QRT_PIP_NVIDIA "${QRT_PIP_NVIDIA}")
-# Under pip's build isolation the building Python does not see the user's environment: look there too.
-if(DEFINED ENV{VIRTUAL_ENV})
-  file(GLOB QRT_VENV_NVIDIA "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/cu13"
-       "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/cublas" "$ENV{VIRTUAL_ENV}/lib/python*/site-packages/nvidia/nccl")
-  list(APPEND QRT_PIP_NVIDIA ${QRT_VENV_NVIDIA})
-endif()
+# Folders of pip's NVIDIA packages, as hints: those the building Python sees, and (-I: without pip's build
+# isolation) those of the environment the package is being installed into.
+set(QRT_FIND_NVIDIA "import importlib.util as u\ntry:\n    s = u.find_spec('nvidia')\nexcept Exception:\n    s = None\nfor d in (s.submodule_search_locations if s else []):\n    print(d)")
+execute_process(COMMAND "${Python_EXECUTABLE}" -c "${QRT_FIND_NVIDIA}"
+                OUTPUT_VARIABLE QRT_NVIDIA_ROOTS OUTPUT_STRIP_TRAILING_WHITESPACE)
+execute_process(COMMAND "${Python_EXECUTABLE}" -I -c "${QRT_FIND_NVIDIA}"
+                OUTPUT_VARIABLE QRT_NVIDIA_ROOTS_TARGET OUTPUT_STRIP_TRAILING_WHITESPACE)
+string(REPLACE "\n" ";" QRT_NVIDIA_ROOTS "${QRT_NVIDIA_ROOTS}\n${QRT_NVIDIA_ROOTS_TARGET}")
 set(QRT_NV_INC "")
 set(QRT_NV_LIB "")
-foreach(d ${QRT_PIP_NVIDIA})
-  list(APPEND QRT_NV_INC "${d}/include")
-  list(APPEND QRT_NV_LIB "${d}/lib")
+foreach(root ${QRT_NVIDIA_ROOTS})
+  foreach(pkg cu13 cublas nccl)
+    list(APPEND QRT_NV_INC "${root}/${pkg}/include")
+    list(APPEND QRT_NV_LIB "${root}/${pkg}/lib")
+  endforeach()
 endforeach()
 
 find_path(QRT_CUBLASLT_INCLUDE cublasLt.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC})
-find_library(QRT_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12
-             HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB})
+find_library(QRT_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.13 HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB})
 find_path(QRT_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${QRT_NV_INC} /usr/include)
 find_library(QRT_NCCL_LIB NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR} ${QRT_NV_LIB} /usr/lib/x86_64-linux-gnu)
 if(NOT QRT_CUBLASLT_INCLUDE OR NOT QRT_CUBLASLT_LIB OR NOT QRT_NCCL_INCLUDE OR NOT QRT_NCCL_LIB)
-  qrt_no_cuda(WARNING "cuBLASLt (${QRT_CUBLASLT_INCLUDE}, ${QRT_CUBLASLT_LIB}) or NCCL (${QRT_NCCL_INCLUDE}, ${QRT_NCCL_LIB}) not found; pip install nvidia-cublas nvidia-nccl-cu13")
+  message(FATAL_ERROR "qwen_rt: nvcc (${CMAKE_CUDA_COMPILER}) was found, but the CUDA plugin also needs cuBLASLt "
+    "(found: ${QRT_CUBLASLT_INCLUDE}, ${QRT_CUBLASLT_LIB}) and NCCL (found: ${QRT_NCCL_INCLUDE}, ${QRT_NCCL_LIB}). "
+    "Install them into the environment qwen_rt goes into (pip install nvidia-cublas nvidia-nccl-cu13) and build "
+    "again, or build for the CPU only with QWEN_RT_CUDA=OFF.")
 endif()
 message(STATUS "qwen_rt: CUDA backend on (archs ${CMAKE_CUDA_ARCHITECTURES}); cuBLASLt ${QRT_CUBLASLT_LIB}; NCCL ${QRT_NCCL_LIB}")
 
@@ -67,9 +74,9 @@ if(CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
   target_compile_definitions(_cuda_backend PRIVATE QRT_HAVE_SM90A=1)
 endif()
 target_link_libraries(_cuda_backend PRIVATE CUDA::cudart_static ${QRT_CUBLASLT_LIB} ${QRT_NCCL_LIB})
-# Find cuBLASLt and NCCL where they were found at build time (pip folders have no standard path).
-get_filename_component(QRT_CUBLASLT_DIR "${QRT_CUBLASLT_LIB}" DIRECTORY)
-get_filename_component(QRT_NCCL_DIR "${QRT_NCCL_LIB}" DIRECTORY)
-set_target_properties(_cuda_backend PROPERTIES INSTALL_RPATH "${QRT_CUBLASLT_DIR};${QRT_NCCL_DIR}"
-                      BUILD_WITH_INSTALL_RPATH ON)
+# At run time: pip's packages beside qwen_rt/ in the same site-packages (no absolute paths of this machine);
+# elsewhere qwen_rt/_native_libraries.py loads them first from where Python finds them.
+set_target_properties(_cuda_backend PROPERTIES
+  INSTALL_RPATH "$ORIGIN/../nvidia/cu13/lib;$ORIGIN/../nvidia/cublas/lib;$ORIGIN/../nvidia/nccl/lib"
+  BUILD_WITH_INSTALL_RPATH ON)
 install(TARGETS _cuda_backend LIBRARY DESTINATION qwen_rt)

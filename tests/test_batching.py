@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 
+import qwen_rt
+
 import models as M
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -450,7 +452,7 @@ def test_close_from_several_threads_at_once(build, fresh_gen):
     assert [c.finish_reason for c in got] == ["cancelled", "cancelled"]
     assert r.result().finish_reason == "cancelled" and len(r.token_ids) < 400  # output not taken before is gone
     assert r.text == gen.tokenizer.decode(r.token_ids)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(qwen_rt.GeneratorClosed, match="closed"):
         gen.stats()
 
 

@@ -1,4 +1,6 @@
-"""The GPU bench's side-by-side table (pure Python: no GPU)."""
+"""The benches: the GPU side-by-side table, the CPU bench end to end (with and without torch), the plots (no GPU)."""
+import pytest
+
 from qwen_rt.bench_gpu import side_by_side
 
 
@@ -51,3 +53,57 @@ def test_cpu_bench_runs_both_engines_and_measures_closeness(tmp_path, capsys):
     assert err["qwen_rt/float32"] < 1e-4
     assert err["qwen_rt/bfloat16"] < 0.2 and err["transformers/bfloat16"] < 0.2
     assert rec["greedy_agreement"]["float32/b2"]["min_common_prefix"] == 4
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_bench_without_torch_measures_qwen_rt_alone_and_plots(tmp_path, monkeypatch, capsys):
+    """Without torch (as after a plain `pip install .`) `qwen-rt bench cpu` runs qwen_rt on random weights it draws
+    itself, says why transformers is not measured and how to install it, and draws its plot."""
+    import json
+    import sys
+
+    from qwen_rt import bench
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    rec_path, png = tmp_path / "rec.jsonl", tmp_path / "cpu.png"
+    argv = ["cpu", "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--workdir",
+            str(tmp_path / "w"), "--json", str(rec_path), "--plot", str(png)]
+    assert bench.main(argv) == 0
+    assert "transformers is not measured beside qwen_rt: torch is not installed" in capsys.readouterr().err
+    rec = json.loads(rec_path.read_text().splitlines()[-1])
+    assert {(r["engine"], r["dtype"], r["batch"]) for r in rec["results"] if r.get("tok_s")} == \
+        {("qwen_rt", d, b) for d in ("float32", "bfloat16") for b in (1, 2)}
+    assert "download.pytorch.org/whl/cpu" in rec["reference_missing"] and rec["torch"] is None
+    assert rec["model"]["params"] == 100_684_032  # the count transformers gives the bench model
+    assert rec["limits"]["copy_bw"] > 1e8
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_gpu_record_plots_decode_against_its_roofline_and_prefill_mfu(tmp_path):
+    from qwen_rt.bench_plot import _gpu_series, plot_record
+
+    rec = {"device": "H100", "commit": "abc1234", "date": "2026-12-06",
+           "decode": [{"model": "qwen3-8b", "batch": b, "decode_tok_s": t, "mbu": m}
+                      for b, t, m in ((1, 187.5, 0.96), (64, 8791.0, 0.772))],
+           "prefill": [{"model": "qwen3-8b", "prompt": n, "mfu": m} for n, m in ((1024, 0.70), (8192, 0.75))]}
+    measured, roofline = _gpu_series(rec)
+    assert measured["qwen3-8b"] == ([1, 64], [187.5, 8791.0])
+    assert roofline["qwen3-8b roofline"][1] == pytest.approx([187.5 / 0.96, 8791.0 / 0.772])
+    plot_record(rec, str(tmp_path / "gpu.png"))
+    assert (tmp_path / "gpu.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="no decode or prefill figures"):
+        plot_record({"decode": [], "prefill": []}, str(tmp_path / "empty.png"))
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
+    import sys
+
+    from qwen_rt import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        bench.main(["cpu", "--plot", "never.png"])
+    assert "--plot: needs matplotlib, which is not installed (pip install matplotlib)" in capsys.readouterr().err

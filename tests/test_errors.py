@@ -123,11 +123,30 @@ def test_limits_are_inclusive(folder, gen, good):
 
 
 def test_bad_chat_messages(gen, good):
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ValueError, match="message 0 has no 'role'"):
         gen.chat([{"content": "no role"}], max_tokens=3)
+    with pytest.raises(ValueError, match=r"message 1 \('user'\) has no 'content'"):
+        gen.chat([{"role": "system", "content": "Be brief."}, {"role": "user"}], max_tokens=3)
+    with pytest.raises(ValueError, match="has no 'content'"):
+        gen.chat([{"role": "user", "content": None}], max_tokens=3)
+    with pytest.raises(TypeError, match="'content' must be a str"):
+        gen.chat([{"role": "user", "content": 42}], max_tokens=3)
+    with pytest.raises(TypeError, match="'role' must be a str"):
+        gen.chat([{"role": 1, "content": "hi"}], max_tokens=3)
+    with pytest.raises(TypeError, match="content parts"):
+        gen.chat([{"role": "user", "content": ["hi"]}], max_tokens=3)
     with pytest.raises(TypeError):
         gen.chat("not a list of messages", max_tokens=3)
     assert_still_serves(gen, good)
+
+
+def test_an_assistant_message_that_calls_tools_needs_no_content(gen):
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content or m.tool_calls[0].function.name }}\n{% endfor %}"
+    prompt = gen.chat_prompt([{"role": "user", "content": "1 + 2?"},
+                              {"role": "assistant", "content": None, "tool_calls": calls},
+                              {"role": "tool", "content": "3"}], chat_template=template)
+    assert gen.tokenizer.decode(prompt) == "user: 1 + 2?\nassistant: add\ntool: 3\n"
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -331,3 +350,13 @@ def test_vocab_json_without_tokenizer_json_is_named(folder, tmp_path):
             g.generate("hello", max_tokens=2)
         with pytest.raises(ValueError, match="no tokenizer.json"):
             g.generate([[1, 2]], max_tokens=2, stop=["x"])
+
+
+def test_a_closed_generator_raises_generator_closed(folder, fresh_gen, good):
+    """Every call on a closed Generator raises the public qwen_rt.GeneratorClosed (a RuntimeError)."""
+    gen = fresh_gen(folder)
+    gen.close()
+    assert issubclass(qwen_rt.GeneratorClosed, RuntimeError)
+    for call in (lambda: gen.generate(good[0], max_tokens=2), lambda: gen.submit(good[0]), gen.stats):
+        with pytest.raises(qwen_rt.GeneratorClosed, match="closed"):
+            call()

@@ -276,6 +276,16 @@ def test_packaged_needs_dummy():
         resolve("qwen3-8b")
 
 
+@pytest.mark.parametrize("model,load_format", [("qwen3-4b", "dummy"), ("qwen3-4b", "auto"),
+                                               ("Qwen2.5-7B-Instruct-1M", "auto"), ("llama-7b", "dummy")])
+def test_an_unknown_packaged_name_lists_the_packaged_configs(model, load_format, monkeypatch):
+    """A name without an owner that is not packaged never reaches the Hub: the error lists what is packaged."""
+    monkeypatch.setattr(model_files, "_download", lambda *a: pytest.fail("the Hub was asked"))
+    with pytest.raises(ValueError, match="not a packaged config") as e:
+        resolve(model, load_format=load_format)
+    assert all(name in str(e.value) for name in model_files.packaged_configs())
+
+
 def test_local_folder_wins_over_packaged_name(tmp_path, monkeypatch):
     d = tmp_path / "qwen3-8b"
     d.mkdir()

@@ -333,6 +333,10 @@ int cpu_cores();
 std::unique_ptr<Backend> make_cuda_backend(int device, DType act_dtype);
 // Number of CUDA devices usable by the plugin (0 when the plugin or the driver is missing).
 int cuda_device_count();
+// Why no CUDA device is usable ("" when one is): the build has no plugin, it cannot load, or the driver fails.
+std::string cuda_unavailable_reason();
+// Folders that may hold the plugin's libraries (pip's nvidia-* packages), searched when the plugin first loads.
+void set_cuda_library_dirs(const std::vector<std::string>& dirs);
 
 }  // namespace qrt
 

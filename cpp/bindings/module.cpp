@@ -161,5 +161,7 @@ NB_MODULE(_core, m) {
 
   m.def("cuda_device_count", &cuda_device_count, nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_plugin_error", &cuda_plugin_error);
+  m.def("cuda_unavailable_reason", &cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>());
+  m.def("set_cuda_library_dirs", &set_cuda_library_dirs);
   bind_op_harness(m);
 }

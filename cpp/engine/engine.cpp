@@ -260,7 +260,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     QRT_CHECK_ARG(opt.max_num_batched_tokens <= 65535, "max_num_batched_tokens must be <= 65535 on CUDA, got ",
                   opt.max_num_batched_tokens);
     const int count = cuda_device_count();
-    QRT_CHECK_ARG(count > 0, "no CUDA device is usable: ", count == 0 ? cuda_plugin_error() : "");
+    QRT_CHECK_ARG(count > 0, "no CUDA device is usable: ", cuda_unavailable_reason());
     QRT_CHECK_ARG(opt.device_index >= 0 && opt.device_index + n <= count, "cuda:", opt.device_index, " with ",
                   "tensor_parallel_size ", n, " needs ", opt.device_index + n, " devices, ", count, " present");
   }

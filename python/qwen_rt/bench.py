@@ -105,6 +105,49 @@ def _emit_record(rec: dict, path: str | None) -> None:
 # ----------------------------------------------------------------------------------------------------
 # cpu
 
+def _missing_reference() -> str | None:
+    """Why transformers cannot run beside qwen_rt here (None: it can)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return (f"{e.name or e} is not installed; for the side-by-side run: pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu && pip install transformers")
+    return None
+
+
+def _bench_model_params(cfg: dict) -> int:
+    """Parameters of the bench model (tied embeddings counted once)."""
+    H, inter, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    q, kv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layer = H * (q + 2 * kv) * D + q * D * H + 3 * H * inter + 2 * H + 2 * D
+    return V * H + L * layer + H
+
+
+def _write_dummy_cpu_model(workdir: Path) -> Path:
+    """The bench model's config alone: qwen_rt draws its random weights (load_format="dummy"); no torch needed."""
+    d = workdir / "qwen3-100m-dummy"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+           **BENCH_MODEL_CPU}
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+def measure_copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes a second that one memory copy moves on the CPU (read + written), best of three: the roofline's
+    bandwidth (a single-threaded copy, so a lower bound on what all cores can read)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = None
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    return 2 * nbytes / best
+
+
 def _build_cpu_model(workdir: Path, seed: int) -> tuple[dict[str, Path], int, dict]:
     """Random Qwen3 model saved with transformers as float32 and bfloat16 safetensors folders."""
     import torch
@@ -180,24 +223,38 @@ def _logprob_error(tops: list[dict[int, float]], ref: np.ndarray) -> float:
 
 
 def run_cpu(args) -> int:
-    import torch
-    import transformers
-
-    try:
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:
-        pass
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    missing = _missing_reference()
+    if missing and not args.skip_hf:
+        log(f"transformers is not measured beside qwen_rt: {missing}")
+        args.skip_hf = True
     threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    if not missing:
+        import torch
+        import transformers
+        try:
+            transformers.utils.logging.disable_progress_bar()
+        except Exception:
+            pass
+        torch.set_num_threads(threads)
     batch_sizes = _csv(args.batch_sizes, int)
     P, N = args.prompt_len, args.new_tokens
     own_dir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="qwen_rt_bench_")) if own_dir else Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    if not args.skip_hf:
+        log("the side-by-side run takes ~13 minutes on 2 cores at the defaults, mostly transformers' "
+            "configurations (--skip-hf: qwen_rt alone)")
 
     try:
-        folders, n_params, model_cfg = _build_cpu_model(workdir, args.seed)
+        load_format = "auto"
+        if missing:  # no torch to write weights with: qwen_rt draws them from the config
+            dummy = _write_dummy_cpu_model(workdir)
+            folders, n_params, model_cfg = {"float32": dummy, "bfloat16": dummy}, \
+                _bench_model_params(BENCH_MODEL_CPU), dict(BENCH_MODEL_CPU)
+            load_format = "dummy"
+        else:
+            folders, n_params, model_cfg = _build_cpu_model(workdir, args.seed)
         log(f"bench model: Qwen3, {n_params / 1e6:.1f}M parameters (hidden {model_cfg['hidden_size']}, "
             f"{model_cfg['num_hidden_layers']} layers, {model_cfg['num_attention_heads']}/"
             f"{model_cfg['num_key_value_heads']} heads x {model_cfg['head_dim']}, inter "
@@ -262,7 +319,8 @@ def run_cpu(args) -> int:
                         # No prefix cache: the timed runs repeat the warm-up's prompts, which transformers
                         # computes again each time.
                         kw = dict(device="cpu", dtype=dtype, max_batch_size=max(batch_sizes),
-                                  max_model_len=max(P + N + 16, 256), seed=args.seed, enable_prefix_caching=False)
+                                  max_model_len=max(P + N + 16, 256), seed=args.seed, enable_prefix_caching=False,
+                                  load_format=load_format)
                         try:
                             gen = Generator(str(folder), num_threads=threads, progress=False, **kw)
                         except TypeError:  # an older Generator (no num_threads, no prefix cache)
@@ -380,10 +438,13 @@ def run_cpu(args) -> int:
         if qrt_error:
             print(f"qwen_rt was not measured: {qrt_error}", file=sys.stderr)
 
+        copy_bw = measure_copy_bandwidth()
         rec = _record("cpu", args, {
             "threads": threads,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "torch": None if missing else torch.__version__,
+            "transformers": None if missing else transformers.__version__,
+            "reference_missing": missing,
+            "limits": {"copy_bw": copy_bw},
             "model": {"params": n_params, **{k: model_cfg[k] for k in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings")}},
@@ -397,6 +458,10 @@ def run_cpu(args) -> int:
             "qwen_rt_error": qrt_error,
         })
         _emit_record(rec, args.json)
+        if args.plot:
+            from qwen_rt.bench_plot import plot_record
+            plot_record(rec, args.plot)
+            log(f"plot: {args.plot}")
         return 0
     finally:
         if own_dir and not args.keep:
@@ -433,6 +498,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where the model is written (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("--json", default=None, metavar="PATH", help="append the JSON record to PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="draw the figures into a PNG (needs matplotlib)")
     from qwen_rt import bench_gpu
     bench_gpu.add_parser(sub)
     return parser
@@ -447,6 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     if args.prompt_len < 1 or args.new_tokens < 1 or getattr(args, "repeats", 1) < 1:
         parser.error("--prompt-len, --new-tokens and --repeats must be >= 1")
+    if args.plot:
+        from qwen_rt.bench_plot import plotting_unavailable
+        why = plotting_unavailable()
+        if why:
+            parser.error(f"--plot: {why}")  # before the run, not after minutes of it
     return MODES[args.mode](args)
 
 

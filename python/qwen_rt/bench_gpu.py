@@ -351,6 +351,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw decode tok/s against batch (with the roofline) and prefill MFU into a PNG (matplotlib)")
 
 
 def run(args) -> int:
@@ -398,4 +400,8 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.write(line + "\n")
+    if args.plot:
+        from qwen_rt.bench_plot import plot_record
+        plot_record(rec, args.plot)
+        log(f"plot: {args.plot}")
     return 0

@@ -229,10 +229,14 @@ def _cmd_info(args) -> int:
         core = None
     if core is not None:
         rows.append({"item": "native module", "value": getattr(core, "__file__", "built-in")})
-        # The CUDA backend is a plugin (_cuda_backend.so) loaded at run time: its error is "" when it loads.
+        # The CUDA backend is a plugin (_cuda_backend.so) loaded at run time; the reason says why no GPU is usable:
+        # the build has no plugin, the plugin cannot load (a library it needs), or the driver sees no device.
         plugin_err = str(core.cuda_plugin_error())
-        rows.append({"item": "CUDA backend", "value": "yes" if not plugin_err else f"no ({plugin_err})"})
+        rows.append({"item": "CUDA backend", "value": "yes" if not plugin_err else f"no: {plugin_err}"})
         rows.append({"item": "CUDA devices", "value": int(core.cuda_device_count())})
+        reason = str(core.cuda_unavailable_reason())
+        if reason and not plugin_err:
+            rows.append({"item": "CUDA unavailable", "value": reason})
     rows.append({"item": "packaged configs", "value": ", ".join(model_files.packaged_configs())})
     print_table(rows, file=sys.stdout)
     return 0

@@ -16,10 +16,11 @@ from .model_files import resolve, same_tensor, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
-__all__ = ["Generator", "Request"]
+__all__ = ["Generator", "GeneratorClosed", "Request"]
 
-class _Closed(RuntimeError):
-    """The Generator was closed before or during an engine call."""
+
+class GeneratorClosed(RuntimeError):
+    """A call on a Generator that was closed before or during it (close(), or leaving its `with`)."""
 
 
 MAX_LOGPROBS = 20  # the default bound on a request's top logprobs (vLLM's too)
@@ -122,7 +123,7 @@ class Request:
                 return
             try:
                 out = self._gen._engine_call("wait", self._rid, timeout, until_finished)
-            except _Closed:
+            except GeneratorClosed:
                 self._end_cancelled()  # the Generator was closed under it: it ends with what it produced
                 return
             self._take(out)
@@ -402,12 +403,12 @@ class Generator:
     def _engine_call(self, name, *args):
         engine = self._engine  # read once: close() from another thread may clear it
         if engine is None:
-            raise _Closed("the Generator is closed")
+            raise GeneratorClosed("the Generator is closed")
         try:
             return getattr(engine, name)(*args)
         except RuntimeError as e:
             if self._engine is None:  # close() cleared the handle while the call ran
-                raise _Closed("the Generator is closed") from e
+                raise GeneratorClosed("the Generator is closed") from e
             raise
 
     # -- request building --------------------------------------------------------------------------
@@ -564,7 +565,7 @@ class Generator:
         while watched:
             try:
                 ready = self._engine_call("wait_any", [r._rid for r in watched], _POLL_S) >= 0
-            except _Closed:
+            except GeneratorClosed:
                 ready = True  # each poll ends its request as cancelled
             if ready:
                 for r in watched:

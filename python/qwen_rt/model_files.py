@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ _ALIASES = {
     "qwen2.5-7b-instruct": "qwen2.5-7b",
     "qwen/qwen3.8-27b": "qwen3.8-27b",
 }
+
+# A Qwen model named without its owner ("qwen3-4b", "Qwen2.5-7B-Instruct"): meant as a packaged config or hub id.
+_QWEN_SIZE_NAME = re.compile(r"qwen[0-9.]*-.*[0-9]b", re.IGNORECASE)
 
 _HUB_PATTERNS_META = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                       "chat_template.jinja", "additional_chat_templates/*.jinja", "model.safetensors.index.json"]
@@ -321,5 +325,8 @@ def resolve(model: str | os.PathLike, load_format: str = "auto", revision: str |
 
     if _looks_like_path(model):
         raise ValueError(f"{model!r}: no such folder")
+    if "/" not in model and (load_format == "dummy" or _QWEN_SIZE_NAME.match(model)):
+        raise ValueError(f"{model!r} is not a packaged config ({', '.join(packaged_configs())}), a local folder "
+                         "or a Hugging Face Hub id (owner/name, such as 'Qwen/Qwen3-8B')")
     root = _download(model, revision, load_format)
     return _load_folder(root, load_format, name=model)

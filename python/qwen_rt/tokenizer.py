@@ -64,6 +64,22 @@ def _plain(v):
     return v
 
 
+def _check_content(m: dict, index: int) -> None:
+    """A message's content is a str or a list of parts (dicts); only an assistant message that calls tools may go
+    without one, as in OpenAI's API."""
+    if "content" not in m:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            return
+        raise ValueError(f"chat message {index} ({m['role']!r}) has no 'content'")
+    content = m["content"]
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) for part in content):
+            raise TypeError(f"chat message {index}: a 'content' list must hold dicts (content parts)")
+    elif not isinstance(content, str):
+        raise TypeError(f"chat message {index}: 'content' must be a str or a list of parts, got "
+                        f"{type(content).__name__}")
+
+
 def _normalize_messages(messages) -> list[dict]:
     # As transformers does: keys whose value is None are dropped; reasoning under older names is also
     # passed as "reasoning_content" (and "thinking").
@@ -74,8 +90,11 @@ def _normalize_messages(messages) -> list[dict]:
         m = {k: v for k, v in m.items() if v is not None}
         if isinstance(m.get("role"), enum.Enum) and isinstance(m["role"].value, str):  # a str Enum: its value
             m["role"] = m["role"].value
-        if not isinstance(m.get("role"), str):
-            raise ValueError(f"chat message {len(out)} has no 'role' string: {m!r}"[:200])
+        if "role" not in m:
+            raise ValueError(f"chat message {len(out)} has no 'role': {m!r}"[:200])
+        if not isinstance(m["role"], str):
+            raise TypeError(f"chat message {len(out)}: 'role' must be a str, got {type(m['role']).__name__}")
+        _check_content(m, len(out))
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}

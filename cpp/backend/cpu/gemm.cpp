@@ -402,7 +402,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
 // Each step of a tile prefetches the same 64 bytes of the weight rows two tiles on (the rows a thread walks
 // next when the x rows fit one tile; with more, the last tiles of a pass prefetch ahead of the next pass's
 // start, which is harmless). On a 2-core AVX512-BF16 VM this took one decode step's products at 1 / 8 rows
-// from 4.86 / 6.33 to 4.60 / 5.04 ms (scripts/gemm_cpu_bench.cpp; a plain read of that VM's memory runs at
+// from 4.86 / 6.33 to 4.60 / 5.04 ms (tools/gemm_cpu_bench.cpp; a plain read of that VM's memory runs at
 // ~44 GB/s). Addresses past the last row are only prefetched (no fault on x86), never read.
 constexpr int kPrefetchTiles = 2;
 

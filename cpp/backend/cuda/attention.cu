@@ -1141,7 +1141,7 @@ int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
 // Splits for the decode kernel (4 warps per row only): as many as fill kDecBlocksPerSm blocks per SM in one wave
 // (QWEN_RT_DECODE_SPLIT_SM=n: n per SM, for measurements), each split at least a granule of keys. Rounded
 // down: rounded up, a second, partial wave left most SMs idle. Qwen3-8B's heads, the attention alone
-// (scripts/attn_decode_study.cu, H200): batch 8 at 4k keys 41 against 58 us per layer (4 splits, not 5),
+// (tools/attn_decode_study.cu, H200): batch 8 at 4k keys 41 against 58 us per layer (4 splits, not 5),
 // at 16k 136 against 192; batch 16 at 4k 75 against 92; batch 32 at 1k 38 against 47; batch 2 and 4 at 4k 2-3%
 // slower.
 int decode_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
@@ -1328,7 +1328,7 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   }();
   if constexpr (D <= 128) {
     // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
-    // the fastest form of scripts/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).
+    // the fastest form of tools/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).
     switch (prefill_form()) {
       case kFormWgmma: return launch_wgmma<T, D, 64, 3, 4, kPipeProducer>(q, cache, b, sh, out, st);
       case kFormPingPong: return launch_wgmma<T, D, 64, 3, 4, kPipePingPong>(q, cache, b, sh, out, st);

@@ -600,6 +600,21 @@ extern "C" int qrt_cuda_device_count() {
   return n;
 }
 
+extern "C" int qrt_cuda_device_error(char* err, size_t err_len) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    write_err(err, err_len, qrt::str_cat(cudaGetErrorName(e), ": ", cudaGetErrorString(e)).c_str());
+    return -1;
+  }
+  if (n == 0) {
+    write_err(err, err_len, "no CUDA device");
+    return -1;
+  }
+  return 0;
+}
+
 extern "C" qrt::Backend* qrt_cuda_make_backend(int device, int act_dtype, char* err, size_t err_len) {
   try {
     const int n = qrt_cuda_device_count();

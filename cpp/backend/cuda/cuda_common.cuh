@@ -64,7 +64,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // finishing. It calls grid_release() first (so the kernel after it can be scheduled early), may read
 // what no earlier kernel writes (weights), and calls grid_wait() before it touches anything earlier
 // work writes or reads. On sm_90+ it is a programmatic dependent launch unless QWEN_RT_PDL=0 (measured
-// on the H200, Qwen3-8B batch 1: 4.137 ms per step chained, 4.417 not; docs/PERFORMANCE.md).
+// on the H200, Qwen3-8B batch 1: 4.137 ms per step chained, 4.417 not; docs/PERFORMANCE_HISTORY.md).
 __device__ __forceinline__ void grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -7,7 +7,7 @@
 // room as soon as a block exits, walk the row groups), and a warp loads the first pieces of its next row before it
 // finishes the current one, so the weight stream does not pause between rows or blocks. Two halves meet in
 // shared memory in a fixed order: the arithmetic of row m does not depend on M or on the grid (batch
-// invariance among M <= 8; with a folded norm too). Measured on the H200 (scripts/gemv_study.cu, Qwen3-8B's 144
+// invariance among M <= 8; with a folded norm too). Measured on the H200 (tools/gemv_study.cu, Qwen3-8B's 144
 // GEMVs of a step, rows of 4096 and 12288, before short rows took one warp): one warp per row with cached loads
 // 3.64 TB/s, two warps per row with loads past L1 4.02 TB/s (4.18 with chained launches).
 // Chained launches with a one-wave grid: Qwen3-8B batch 1 4.137 ms per step against 4.452 unchained with
@@ -329,7 +329,7 @@ bool gemv_folds_norms() {
 // The most rows a GEMV takes for rows of K elements; more go to cuBLASLt (with the norm and silu_mul as their
 // own kernels). Rows of more than kShortRow (3072): 1 (Qwen2.5-7B's 3584 and up). On the H200 cuBLASLt ran Qwen3-8B decode
 // steps of batch 2 / 4 / 8 in 4.78 / 5.32 / 5.04 ms, against 5.76 ms at batch 4 for this GEMV (and 5.03 /
-// 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE.md, session 8). Up to kShortRow: 4,
+// 5.55-5.67 / 5.91 for a tensor-core GEMV, tried and left out: docs/PERFORMANCE_HISTORY.md, session 8). Up to kShortRow: 4,
 // the range measured: Qwen3-0.6B (K 1024 to 3072), whose products are a few MB and whose step is kernel
 // latency, ran batch 2 / 4 / 8 in 0.79-0.92 / 1.14 / 2.0-2.3 ms with the GEMV against 1.16-1.36 / 1.06-1.26 /
 // 1.10-1.50 with cuBLASLt (session 12).

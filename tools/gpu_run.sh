@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with ninja on every core, run `pytest -m cuda` (TEST_WORKERS=4 xdist
 # processes), then the GPU bench.
 # Logs and the bench record go under $OUT (the device tool brings them back).
-#   scripts/gpu_run.sh [pytest args...]            env: BENCH_ARGS="--parts decode ..." (empty: skip the bench)
+#   tools/gpu_run.sh [pytest args...]            env: BENCH_ARGS="--parts decode ..." (empty: skip the bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}
 mkdir -p "$OUT"

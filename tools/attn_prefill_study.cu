@@ -2,7 +2,7 @@
 // against the wgmma kernel in several shapes, on paged caches with shuffled pages. For each case it prints
 // each kernel's time, TFLOP/s (causal: 4 * D * query heads * keys seen, summed over the rows) and the largest
 // difference from the tile kernel's output (both bf16, fp32 accumulation).
-//   nvcc -O3 -arch=sm_90a -std=c++17 -DQRT_HAVE_SM90A -Icpp scripts/attn_prefill_study.cu cpp/core/dtype.cpp \
+//   nvcc -O3 -arch=sm_90a -std=c++17 -DQRT_HAVE_SM90A -Icpp tools/attn_prefill_study.cu cpp/core/dtype.cpp \
 //        -o /tmp/prefill_study
 //   /tmp/prefill_study [--heads Hq Hkv D] [SEQSxQLEN[+PREFIX] ...]   (default Qwen3-8B's 32 8 128, a sweep)
 #include <algorithm>

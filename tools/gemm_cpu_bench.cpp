@@ -3,7 +3,7 @@
 // the tied LM head 32768x768; distinct bf16 weights per layer, 201 MB, so nothing stays in cache), for a few
 // row counts, on the backend's thread pool. Build against a configured build dir, e.g.:
 //   ninja -C build/dev qrt_base
-//   g++ -O3 -march=native -std=c++17 -Icpp scripts/gemm_cpu_bench.cpp build/dev/libqrt_base.a \
+//   g++ -O3 -march=native -std=c++17 -Icpp tools/gemm_cpu_bench.cpp build/dev/libqrt_base.a \
 //       -o /tmp/gemm_cpu_bench -lpthread -ldl && /tmp/gemm_cpu_bench [threads]
 #include <chrono>
 #include <cstdio>

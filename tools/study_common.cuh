@@ -1,4 +1,4 @@
-// Helpers the attention studies share (scripts/attn_*_study.cu): error checks, device buffers, random bf16.
+// Helpers the attention studies share (tools/attn_*_study.cu): error checks, device buffers, random bf16.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

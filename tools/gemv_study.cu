@@ -2,7 +2,7 @@
 // q|k|v 6144x4096, o 4096x4096, gate|up 24576x4096, down 4096x12288; distinct weights per layer so nothing
 // stays in L2). Each variant runs the 144 GEMVs of a step as one CUDA graph; the figure is weight bytes /
 // graph time, next to a device-to-device copy of the same bytes.
-//   nvcc -O3 -arch=sm_90 -std=c++17 scripts/gemv_study.cu -o /tmp/gemv_study && /tmp/gemv_study
+//   nvcc -O3 -arch=sm_90 -std=c++17 tools/gemv_study.cu -o /tmp/gemv_study && /tmp/gemv_study
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

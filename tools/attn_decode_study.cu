@@ -3,7 +3,7 @@
 // nothing stays in L2 from one layer to the next), run as the engine runs a decode step's attention
 // (launch_qkv_attention, else finish_qkv then attention), captured as one CUDA graph. The figure is the K/V
 // bytes the step must read / the graph's time per layer, beside the rate of a 2 GiB device-to-device copy.
-//   nvcc -O3 -arch=sm_90 -std=c++17 -Icpp scripts/attn_decode_study.cu cpp/backend/cuda/kernels.cu \
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Icpp tools/attn_decode_study.cu cpp/backend/cuda/kernels.cu \
 //        cpp/core/dtype.cpp -o /tmp/attn_study
 //   /tmp/attn_study [--heads Hq Hkv D] [--eager] [BATCHxCTX ...]   (default Qwen3-8B's 32 8 128, a sweep)
 // The runtime's switches (QWEN_RT_DECODE_WPR, QWEN_RT_DECODE_FINISH, QWEN_RT_PDL...) apply as in the engine.

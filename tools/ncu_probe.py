@@ -1,8 +1,8 @@
 """Workloads for Nsight Compute on the GPU machine (dummy Qwen3-8B weights, CUDA graphs off so that every
 kernel launch is visible to ncu):
 
-    ncu -k regex:attn_tile_kernel --launch-skip 40 --launch-count 1 --set full python3 scripts/ncu_probe.py prefill
-    ncu -k regex:attn_decode_kernel --launch-skip 800 --launch-count 1 --set full python3 scripts/ncu_probe.py decode [batch]
+    ncu -k regex:attn_tile_kernel --launch-skip 40 --launch-count 1 --set full python3 tools/ncu_probe.py prefill
+    ncu -k regex:attn_decode_kernel --launch-skip 800 --launch-count 1 --set full python3 tools/ncu_probe.py decode [batch]
 
 prefill: two 8k-token prompts, one at a time (the tile kernel of the second prompt's layers);
 decode: `batch` (default 512) prompts of 128 tokens, 40 new tokens each (at batch 512, launch 800 and later are

@@ -2,7 +2,7 @@
 # A/B of source changes in one call on the GPU machine: the working tree ("base") against the working tree plus
 # each patch, one build per variant (incremental), each variant's tests, then the GPU bench alternated over the
 # variants. Tables go to stdout and $OUT/ab.log.
-#   scripts/gpu_ab_patch.sh "bench gpu args" PATCH...
+#   tools/gpu_ab_patch.sh "bench gpu args" PATCH...
 #   env: TESTS='tests/x.py -k "a or b"' (pytest -m cuda args, shell-quoted, run on each patched build; empty:
 #        none), BASE_TESTS (the same on the base build), REPEATS=<rounds> (default 2), QWEN_RT_COMMIT=<base commit>
 set -uo pipefail

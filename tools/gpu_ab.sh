@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A/B measurements after scripts/gpu_run.sh has built and installed the package: the same bench part
+# A/B measurements after tools/gpu_run.sh has built and installed the package: the same bench part
 # with a runtime switch off and on. Tables go to stdout and $OUT/ab.log.
-#   scripts/gpu_ab.sh "ENV=VALUE" "bench gpu args..."   (run with ENV set, then without; REPEATS=<n> pairs, default 1)
+#   tools/gpu_ab.sh "ENV=VALUE" "bench gpu args..."   (run with ENV set, then without; REPEATS=<n> pairs, default 1)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}
 env_set=$1; shift

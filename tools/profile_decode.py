@@ -3,7 +3,7 @@ real config), taken with torch.profiler (CUPTI sees the plugin's kernels too): a
 less a call of the prefill alone. CUDA graphs are off so every kernel is recorded by name; the step time
 with graphs on is printed beside it.
 
-    python scripts/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
+    python tools/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
         [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
         [--prompt-len 4096]   (the whole prefill is one step, so that every decode step has the full batch)
 """

@@ -1,0 +1,32 @@
+"""qwen_rt's build backend: scikit-build-core's, plus the CUDA plugin's libraries (pip's nvidia-cublas and
+nvidia-nccl-cu13: headers to compile against, libraries to link) as build requirements where the build will look
+for them, that is, where nvcc is and QWEN_RT_CUDA is not OFF. So `pip install .` and `pip wheel .` on a machine
+with nvcc build the plugin under pip's build isolation, without the user installing those first."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+from scikit_build_core import build as _scikit_build
+from scikit_build_core.build import *  # noqa: F401,F403 - the PEP 517 hooks this module does not change
+
+CUDA_BUILD_REQUIREMENTS = ["nvidia-cublas>=13,<14", "nvidia-nccl-cu13>=2.27"]
+
+
+def _builds_cuda() -> bool:
+    mode = os.environ.get("QWEN_RT_CUDA", "AUTO").upper()
+    if mode == "OFF" or platform.system() != "Linux":
+        return False
+    has_nvcc = bool(os.environ.get("CUDACXX")) or shutil.which("nvcc") is not None
+    return mode == "ON" or has_nvcc
+
+
+def get_requires_for_build_wheel(config_settings=None) -> list[str]:
+    extra = CUDA_BUILD_REQUIREMENTS if _builds_cuda() else []
+    return list(_scikit_build.get_requires_for_build_wheel(config_settings)) + extra
+
+
+def get_requires_for_build_editable(config_settings=None) -> list[str]:
+    extra = CUDA_BUILD_REQUIREMENTS if _builds_cuda() else []
+    return list(_scikit_build.get_requires_for_build_editable(config_settings)) + extra
