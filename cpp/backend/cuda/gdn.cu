@@ -132,20 +132,32 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(
 // ---- gated delta rule ---------------------------------------------------------------------------------------
 // Block (column tile, value head, sequence) of 4 warps. A state column y (S[:, y], k_dim rows) is held in
 // registers by kParts adjacent lanes: part p holds rows p, p + kParts, p + 2 kParts, ... The column sums
-// (S^T k, S^T q) are the parts' partial sums (each in row order) added by two butterfly shuffles: a fixed order.
+// (S^T k, S^T q) are the parts' partial sums added by two butterfly shuffles: a fixed order (column_sum).
 // Tokens go through in rounds of TC: the block stages their L2-normalised q and k, v of its columns, decay and
 // beta in shared memory (a warp per token), then every warp applies them one token after another. The state is
-// read once (after grid_wait) and written once; decode is a round of one token.
+// read once (after grid_wait) and written once; decode is a round of one token. A lane sums its rows in kChains
+// interleaved partial sums (row i into chain i % kChains).
 constexpr int kParts = 4;
 constexpr int kColsPerWarp = 32 / kParts;
 constexpr int kDeltaWarps = 4;
 constexpr int kDeltaCols = kColsPerWarp * kDeltaWarps;  // state columns of a block
 
+constexpr int kChains = 4;  // independent partial sums per lane (a shorter dependency chain per token)
+
+// The column sum of a lane's kChains partial sums and its kParts - 1 partners' (all kParts lanes get it): the
+// chains in order, then two butterfly shuffles; the same order for every column, token and batch.
+__device__ __forceinline__ float column_sum(const float (&chain)[kChains]) {
+  float v = (chain[0] + chain[1]) + (chain[2] + chain[3]);
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
 template <typename T, int DK>
 __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     const T* qkv, int64_t qkv_stride, const void* a, DType at, int64_t as, const void* b, DType bt, int64_t bs,
-    const float* a_log, const float* dt_bias, const int32_t* q_start, const int32_t* ctx_len, const int32_t* slots,
-    float* state, T* out, int64_t os, int k_heads, int v_heads, int dv) {
+    const void* a_log, const void* dt_bias, DType wt, const int32_t* q_start, const int32_t* ctx_len,
+    const int32_t* slots, float* state, T* out, int64_t os, int k_heads, int v_heads, int dv) {
   constexpr int R = DK / kParts;            // state rows per lane
   constexpr int TC = 2048 / DK;             // tokens per round (16 KiB of q and k)
   constexpr int QK = (DK + 31) / 32;        // q / k elements per lane when staging
@@ -157,7 +169,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
   const int col = warp * kColsPerWarp + lane / kParts;  // column within the tile
   const int y = tile * kDeltaCols + col;
   const bool active = y < dv;
-  const float A = -expf(a_log[h]), bias = dt_bias[h];  // weights: read before grid_wait
+  const float A = -expf(load_any(a_log, wt, h)), bias = load_any(dt_bias, wt, h);  // weights: before grid_wait
   const float scale = 1.0f / sqrtf(float(DK));
   grid_wait();
   const int r0 = q_start[seq], n = q_start[seq + 1] - r0;
@@ -176,14 +188,14 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     for (int t = warp; t < m; t += kDeltaWarps) {
       const int64_t r = r0 + base + t;
       const T* row = qkv + r * qkv_stride;
-      float qv[QK], kv[QK], ssq = 0.f, ssk = 0.f;
+      float q_in[QK], k_in[QK], ssq = 0.f, ssk = 0.f;
 #pragma unroll
       for (int j = 0; j < QK; ++j) {
         const int e = lane + 32 * j;
-        qv[j] = e < DK ? to_f(row[q_col + e]) : 0.f;
-        kv[j] = e < DK ? to_f(row[k_col + e]) : 0.f;
-        ssq += qv[j] * qv[j];
-        ssk += kv[j] * kv[j];
+        q_in[j] = e < DK ? to_f(row[q_col + e]) : 0.f;
+        k_in[j] = e < DK ? to_f(row[k_col + e]) : 0.f;
+        ssq += q_in[j] * q_in[j];
+        ssk += k_in[j] * k_in[j];
       }
       ssq = warp_sum(ssq);
       ssk = warp_sum(ssk);
@@ -192,8 +204,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
       for (int j = 0; j < QK; ++j) {
         const int e = lane + 32 * j;
         if (e < DK) {
-          q_s[t][e] = qv[j] * iq;
-          k_s[t][e] = kv[j] * ik;
+          q_s[t][e] = q_in[j] * iq;
+          k_s[t][e] = k_in[j] * ik;
         }
       }
       if (lane < kDeltaCols) {
@@ -208,24 +220,22 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     __syncthreads();
     for (int t = 0; t < m; ++t) {
       const float decay = decay_s[t], beta = beta_s[t];
-      float kv = 0.f;  // (S^T k)[y] after the decay
+      float kv[kChains] = {};  // (S^T k)[y] after the decay
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         st[i] *= decay;
-        kv += st[i] * k_s[t][part + kParts * i];
+        kv[i % kChains] += st[i] * k_s[t][part + kParts * i];
       }
-      kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-      kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-      const float delta = (v_s[t][col] - kv) * beta;
-      float o = 0.f;
+      const float kv_sum = column_sum(kv);
+      const float delta = (v_s[t][col] - kv_sum) * beta;
+      float o[kChains] = {};
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         st[i] += k_s[t][part + kParts * i] * delta;
-        o += st[i] * q_s[t][part + kParts * i];
+        o[i % kChains] += st[i] * q_s[t][part + kParts * i];
       }
-      o += __shfl_xor_sync(0xffffffffu, o, 1);
-      o += __shfl_xor_sync(0xffffffffu, o, 2);
-      if (part == 0 && active) out[(r0 + base + t) * os + int64_t(h) * dv + y] = from_f<T>(o);
+      const float o_sum = column_sum(o);
+      if (part == 0 && active) out[(r0 + base + t) * os + int64_t(h) * dv + y] = from_f<T>(o_sum);
     }
   }
   if (active && slot >= 0) {
@@ -233,7 +243,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     for (int i = 0; i < R; ++i) S[int64_t(part + kParts * i) * dv] = st[i];
   }
 }
-static_assert(kParts == 4, "the column sums above shuffle across 4 lanes");
+static_assert(kParts == 4 && kChains == 4, "column_sum adds 4 chains and shuffles across 4 lanes");
 
 }  // namespace
 
@@ -257,8 +267,8 @@ void launch_gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float ep
   QRT_CHECK(hd > 0 && x.cols % hd == 0, "cuda gated_rms_norm: ", x.cols, " columns are not heads of ", hd);
   QRT_CHECK(z.dtype == x.dtype && z.rows == x.rows && z.cols == x.cols, "cuda gated_rms_norm: z [", z.rows, ",",
             z.cols, "] ", dtype_name(z.dtype), " for x [", x.rows, ",", x.cols, "] ", dtype_name(x.dtype));
-  QRT_CHECK(is_float_dtype(w.dtype) && w.cols >= hd, "cuda gated_rms_norm: weight of ", w.cols, " columns for heads of ",
-            hd);
+  QRT_CHECK(is_float_dtype(w.dtype) && w.cols >= hd, "cuda gated_rms_norm: weight of ", w.cols,
+            " columns for heads of ", hd);
   const int heads = int(x.cols / hd);
   const int64_t tasks = x.rows * heads;
   if (tasks == 0) return;
@@ -319,8 +329,8 @@ void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b
                 is_float_dtype(bt.dtype),
             "cuda gated_delta_rule: a [", a.rows, ",", a.cols, "] and b [", bt.rows, ",", bt.cols, "] for ",
             qkv.rows, " rows of ", hv, " value heads");
-  QRT_CHECK(a_log.dtype == DType::F32 && dt_bias.dtype == DType::F32 && a_log.cols >= hv && dt_bias.cols >= hv,
-            "cuda gated_delta_rule: a_log and dt_bias must be float32 [1, ", hv, "]");
+  QRT_CHECK(is_float_dtype(a_log.dtype) && a_log.dtype == dt_bias.dtype && a_log.cols >= hv && dt_bias.cols >= hv,
+            "cuda gated_delta_rule: a_log and dt_bias must be [1, ", hv, "] of one float dtype");
   QRT_CHECK(st.recurrent, "cuda gated_delta_rule: no recurrent state");
   QRT_CHECK(b.slots && b.q_start && b.ctx_len, "cuda gated_delta_rule: the batch has no state slots");
   QRT_CHECK(b.num_seqs <= 65535 && hv <= 65535, "cuda gated_delta_rule: ", b.num_seqs, " sequences of ", hv,
@@ -331,7 +341,7 @@ void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b
     using T = decltype(tag);
     auto go = [&](auto kernel) {
       launch_chained(kernel, grid, kDeltaWarps * 32, 0, s, qkv.ptr<T>(), qkv.stride, a.data, a.dtype, a.stride,
-                     bt.data, bt.dtype, bt.stride, a_log.ptr<float>(), dt_bias.ptr<float>(), b.q_start, b.ctx_len,
+                     bt.data, bt.dtype, bt.stride, a_log.data, dt_bias.data, a_log.dtype, b.q_start, b.ctx_len,
                      b.slots, st.recurrent, out.ptr<T>(), out.stride, hk, hv, dv);
     };
     if (dk == 16) go(gated_delta_rule_kernel<T, 16>);
