@@ -131,10 +131,11 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(
 
 // ---- gated delta rule ---------------------------------------------------------------------------------------
 // Block (column tile, value head, sequence) of 4 warps. A state column y (S[:, y], k_dim rows) is held in
-// registers by kParts adjacent lanes: part p holds rows p, p + kParts, p + 2 kParts, ... The column sums
+// registers by kParts adjacent lanes: part p holds the R = k_dim / kParts rows [p R, (p + 1) R). The column sums
 // (S^T k, S^T q) are the parts' partial sums added by two butterfly shuffles: a fixed order (column_sum).
 // Tokens go through in rounds of TC: the block stages their L2-normalised q and k, v of its columns, decay and
-// beta in shared memory (a warp per token), then every warp applies them one token after another. The state is
+// beta in shared memory (a warp per token; q and k as [part][R + kPad]: a part's rows read 16 bytes at a time,
+// the 4 parts on distinct banks), then every warp applies them one token after another. The state is
 // read once (after grid_wait) and written once; decode is a round of one token. A lane sums its rows in kChains
 // interleaved partial sums (row i into chain i % kChains).
 constexpr int kParts = 4;
@@ -143,6 +144,7 @@ constexpr int kDeltaWarps = 4;
 constexpr int kDeltaCols = kColsPerWarp * kDeltaWarps;  // state columns of a block
 
 constexpr int kChains = 4;  // independent partial sums per lane (a shorter dependency chain per token)
+constexpr int kPad = 4;     // floats after each part's rows of staged q and k
 
 // The column sum of a lane's kChains partial sums and its kParts - 1 partners' (all kParts lanes get it): the
 // chains in order, then two butterfly shuffles; the same order for every column, token and batch.
@@ -159,9 +161,11 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     const void* a_log, const void* dt_bias, DType wt, const int32_t* q_start, const int32_t* ctx_len,
     const int32_t* slots, float* state, T* out, int64_t os, int k_heads, int v_heads, int dv) {
   constexpr int R = DK / kParts;            // state rows per lane
-  constexpr int TC = 2048 / DK;             // tokens per round (16 KiB of q and k)
-  constexpr int QK = (DK + 31) / 32;        // q / k elements per lane when staging
-  __shared__ float q_s[TC][DK], k_s[TC][DK], v_s[TC][kDeltaCols], decay_s[TC], beta_s[TC];
+  constexpr int TC = DK >= 32 ? 2048 / DK : 64;  // tokens per round (at most 32 KiB of shared memory)
+  constexpr int QK = (DK + 31) / 32;             // q / k elements per lane when staging
+  static_assert(R % 4 == 0, "a part's rows are read as float4");
+  __shared__ __align__(16) float q_s[TC][kParts][R + kPad], k_s[TC][kParts][R + kPad];
+  __shared__ float v_s[TC][kDeltaCols], decay_s[TC], beta_s[TC];
   grid_release();
   const int tile = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
   float* S = state + (int64_t(slot < 0 ? 0 : slot) * v_heads + h) * int64_t(DK) * dv + y;  // S[x][y] at + x * dv
   float st[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) st[i] = fresh || !active ? 0.f : S[int64_t(part + kParts * i) * dv];
+  for (int i = 0; i < R; ++i) st[i] = fresh || !active ? 0.f : S[int64_t(part * R + i) * dv];
   const int kh = h / (v_heads / k_heads);
   const int64_t qk_cols = int64_t(k_heads) * DK;
   const int64_t q_col = int64_t(kh) * DK, k_col = qk_cols + q_col, v_col = 2 * qk_cols + int64_t(h) * dv;
@@ -204,8 +208,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
       for (int j = 0; j < QK; ++j) {
         const int e = lane + 32 * j;
         if (e < DK) {
-          q_s[t][e] = q_in[j] * iq;
-          k_s[t][e] = k_in[j] * ik;
+          q_s[t][e / R][e % R] = q_in[j] * iq;
+          k_s[t][e / R][e % R] = k_in[j] * ik;
         }
       }
       if (lane < kDeltaCols) {
@@ -220,19 +224,23 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     __syncthreads();
     for (int t = 0; t < m; ++t) {
       const float decay = decay_s[t], beta = beta_s[t];
-      float kv[kChains] = {};  // (S^T k)[y] after the decay
+      const float4* k4 = reinterpret_cast<const float4*>(k_s[t][part]);
+      const float4* q4 = reinterpret_cast<const float4*>(q_s[t][part]);
+      float kv[kChains] = {};  // (S^T k)[y] after the decay; row i into chain i % kChains
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        st[i] *= decay;
-        kv[i % kChains] += st[i] * k_s[t][part + kParts * i];
+      for (int i = 0; i < R; i += 4) {
+        const float4 k = k4[i / 4];
+        st[i] *= decay, st[i + 1] *= decay, st[i + 2] *= decay, st[i + 3] *= decay;
+        kv[0] += st[i] * k.x, kv[1] += st[i + 1] * k.y, kv[2] += st[i + 2] * k.z, kv[3] += st[i + 3] * k.w;
       }
       const float kv_sum = column_sum(kv);
       const float delta = (v_s[t][col] - kv_sum) * beta;
       float o[kChains] = {};
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        st[i] += k_s[t][part + kParts * i] * delta;
-        o[i % kChains] += st[i] * q_s[t][part + kParts * i];
+      for (int i = 0; i < R; i += 4) {
+        const float4 k = k4[i / 4], q = q4[i / 4];
+        st[i] += k.x * delta, st[i + 1] += k.y * delta, st[i + 2] += k.z * delta, st[i + 3] += k.w * delta;
+        o[0] += st[i] * q.x, o[1] += st[i + 1] * q.y, o[2] += st[i + 2] * q.z, o[3] += st[i + 3] * q.w;
       }
       const float o_sum = column_sum(o);
       if (part == 0 && active) out[(r0 + base + t) * os + int64_t(h) * dv + y] = from_f<T>(o_sum);
@@ -240,7 +248,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
   }
   if (active && slot >= 0) {
 #pragma unroll
-    for (int i = 0; i < R; ++i) S[int64_t(part + kParts * i) * dv] = st[i];
+    for (int i = 0; i < R; ++i) S[int64_t(part * R + i) * dv] = st[i];
   }
 }
 static_assert(kParts == 4 && kChains == 4, "column_sum adds 4 chains and shuffles across 4 lanes");
