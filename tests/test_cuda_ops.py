@@ -824,3 +824,189 @@ def test_linear_many_shapes_past_the_plan_cache():
         for m in range(9, 1200):
             out = np.asarray(h.linear(x[:m], w, None, "float32"))
             assert rel(out, x[:m].astype(np.float64) @ w.T.astype(np.float64)) < TOL["float32"], m
+
+
+# ---------------------------------------------------------------------------------------------
+# gated attention and Gated DeltaNet (sigmoid_mul, gated_rms_norm, causal_conv1d, gated_delta_rule)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 17), (257, 1000), (17, 6144)])
+def test_sigmoid_mul(cpu, act, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    x = rand(rng, (rows, cols), -3, 3, act)
+    gate = rand(rng, (rows, cols), -6, 6, act)
+    ref = np.asarray(cpu.sigmoid_mul(x, gate))
+    out = np.asarray(harness(DEVICE, act).sigmoid_mul(x, gate))
+    assert rel(ref, x.astype(np.float64) / (1.0 + np.exp(-gate.astype(np.float64)))) < 1e-6
+    assert rel(out, ref) < TOL[act]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows", [1, 3, 17, 257])
+@pytest.mark.parametrize("heads,head_dim", [(1, 64), (48, 128), (3, 100), (5, 7)])
+def test_gated_rms_norm(cpu, act, rows, heads, head_dim):
+    rng = np.random.default_rng(rows * 100 + heads + head_dim)
+    x = rand(rng, (rows, heads * head_dim), -3, 3, act)
+    z = rand(rng, (rows, heads * head_dim), -4, 4, act)
+    w = rand(rng, (1, head_dim), 0.5, 1.5)
+    ref = np.asarray(cpu.gated_rms_norm(x, z, w, 1e-6, head_dim))
+    out = np.asarray(harness(DEVICE, act).gated_rms_norm(x, z, w, 1e-6, head_dim))
+    assert rel(out, ref) < TOL[act]
+    # per head: rmsnorm(x) * w (plain gain) * silu(z)
+    xr = x.reshape(rows, heads, head_dim).astype(np.float64)
+    zr = z.reshape(rows, heads, head_dim).astype(np.float64)
+    manual = xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + 1e-6) * w[0] * zr / (1.0 + np.exp(-zr))
+    assert rel(ref, manual.reshape(rows, -1)) < 1e-5
+
+
+def state_batch(rng, q_lens, starts, spare=2):
+    """Sequences of q_lens tokens at positions starts (0: a fresh state) on shuffled slots among
+    len(q_lens) + spare; returns (q_start, ctx_len, slots, num_slots)."""
+    S = len(q_lens)
+    slots = rng.permutation(S + spare)[:S].astype(np.int32)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ctx_len = (np.asarray(starts) + np.asarray(q_lens)).astype(np.int32)
+    return q_start, ctx_len, slots, S + spare
+
+
+def poison_fresh_slots(state, slots, starts):
+    """NaN in the slots of sequences that start at position 0: the ops must not read them."""
+    for slot, start in zip(slots, starts):
+        if start == 0:
+            state[slot] = np.nan
+
+
+def conv_channels(k_heads, v_heads, k_dim, v_dim):
+    return 2 * k_heads * k_dim + v_heads * v_dim
+
+
+CONV_SHAPES = [  # k_heads, v_heads, k_dim, v_dim, conv kernel
+    (16, 48, 128, 128, 4),  # Qwen3.8-27B on one rank: 10240 channels
+    (1, 3, 5, 7, 4),  # 31 channels: a partial block
+    (2, 4, 32, 64, 4),
+    (1, 2, 3, 5, 3),
+    (2, 2, 4, 9, 2),
+]
+STATE_BATCHES = [  # q_lens, start positions (0: from a zero state)
+    ([1], [0]),
+    ([1, 1, 1], [5, 0, 1]),  # decode
+    ([2], [9]),  # fewer new tokens than the conv history: the new history keeps part of the old
+    ([1, 2, 5, 64, 130, 1], [7, 0, 0, 3, 0, 2]),  # mixed; prefill token groups
+    ([2, 40, 3], [9, 0, 0]),  # short sequences among token groups (some groups empty)
+    ([300, 1], [1000, 4]),  # a long chunk continuing
+]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("batch", STATE_BATCHES, ids=lambda b: f"{b[0]}-{b[1]}")
+def test_causal_conv1d(cpu, act, shape, batch):
+    hk, hv, dk, dv, kernel = shape
+    q_lens, starts = batch
+    rng = np.random.default_rng(sum(shape) + sum(q_lens))
+    q_start, ctx_len, slots, num_slots = state_batch(rng, q_lens, starts)
+    C = conv_channels(hk, hv, dk, dv)
+    T = int(q_start[-1])
+    x = rand(rng, (T, C), -2, 2, act)
+    w = rand(rng, (C, kernel), -1, 1, act)
+    conv_state = rand(rng, (num_slots, (kernel - 1) * C), -2, 2, act)
+    poison_fresh_slots(conv_state, slots, starts)
+    args = (x, w, conv_state, q_start, ctx_len, slots, hk, hv, dk, dv, kernel)
+    ref, ref_state = (np.asarray(a) for a in cpu.causal_conv1d(*args))
+    out, out_state = (np.asarray(a) for a in harness(DEVICE, act).causal_conv1d(*args))
+    assert np.all(np.isfinite(ref)) and np.all(np.isfinite(ref_state))
+    for s in range(len(q_lens)):  # each sequence on its own: a short one is not lost in a long one's norm
+        rows = slice(q_start[s], q_start[s + 1])
+        err = rel(out[rows], ref[rows])
+        assert err < (1e-5 if act == "float32" else TOL[act]), f"sequence {s}: rel err {err:.3g}"
+    # The new history is made of inputs (or zeros): exact, and the slots outside the batch are untouched.
+    assert np.array_equal(out_state, ref_state)
+    # The history is the last kernel - 1 inputs of each sequence's window.
+    for s, slot in enumerate(slots):
+        hist = ref_state[slot].reshape(kernel - 1, C)
+        old = np.zeros((kernel - 1, C), np.float32) if starts[s] == 0 else conv_state[slot].reshape(kernel - 1, C)
+        window = np.concatenate([old, x[q_start[s]:q_start[s + 1]]])
+        assert np.array_equal(hist, window[-(kernel - 1):])
+
+
+GDN_SHAPES = [  # k_heads, v_heads, k_dim, v_dim
+    (16, 48, 128, 128),  # Qwen3.8-27B on one rank: value heads / key heads 3
+    (2, 4, 64, 64),  # ratio 2
+    (3, 3, 32, 32),  # ratio 1
+    (1, 3, 32, 48),  # v_dim not a multiple of a block's 32 columns
+    (2, 2, 16, 24),
+    (4, 8, 128, 64),
+]
+
+
+def gdn_inputs(rng, T, hk, hv, dk, dv, num_slots, act):
+    """qkv as the conv's SiLU gives it, a / b projections, and decays of a few tokens to many."""
+    qkv = rand(rng, (T, 2 * hk * dk + hv * dv), -0.3, 1.5, act)
+    a = rand(rng, (T, hv), -2, 2, act)
+    b = rand(rng, (T, hv), -3, 3, act)
+    a_log = rand(rng, (hv,), -3.0, 0.5)
+    dt_bias = rand(rng, (hv,), -2.0, 0.0)
+    state = rand(rng, (num_slots, hv * dk * dv), -0.5, 0.5)
+    return qkv, a, b, a_log, dt_bias, state
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("batch", STATE_BATCHES, ids=lambda b: f"{b[0]}-{b[1]}")
+def test_gated_delta_rule(cpu, act, shape, batch):
+    hk, hv, dk, dv = shape
+    q_lens, starts = batch
+    rng = np.random.default_rng(sum(shape) + sum(q_lens))
+    q_start, ctx_len, slots, num_slots = state_batch(rng, q_lens, starts)
+    T = int(q_start[-1])
+    qkv, a, b, a_log, dt_bias, state = gdn_inputs(rng, T, hk, hv, dk, dv, num_slots, act)
+    untouched = np.setdiff1d(np.arange(num_slots), slots)
+    poison_fresh_slots(state, slots, starts)
+    args = (qkv, a, b, a_log, dt_bias, state, q_start, ctx_len, slots, hk, hv, dk, dv)
+    ref, ref_state = (np.asarray(x) for x in cpu.gated_delta_rule(*args))
+    out, out_state = (np.asarray(x) for x in harness(DEVICE, act).gated_delta_rule(*args))
+    assert np.all(np.isfinite(ref)) and np.all(np.isfinite(ref_state[slots]))
+    # The output is rounded to the activation dtype; the state is fp32 on both sides, from the same
+    # (rounded) inputs: it differs only by the order of fp32 sums, over up to 300 recurrent steps.
+    out_tol = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}[act]
+    for s, slot in enumerate(slots):
+        rows = slice(q_start[s], q_start[s + 1])
+        err = rel(out[rows], ref[rows])
+        assert err < out_tol, f"sequence {s} (q_len {q_lens[s]}): output rel err {err:.3g}"
+        err = rel(out_state[slot], ref_state[slot])
+        assert err < 1e-4, f"sequence {s} (q_len {q_lens[s]}): state rel err {err:.3g}"
+    assert np.array_equal(out_state[untouched], state[untouched])
+
+
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+def test_delta_net_ops_do_not_depend_on_the_batch(act):
+    """A sequence's conv and delta-rule outputs and new states are bitwise the same alone and among batch mates
+    (decode and prefill, before and after it, on other slots; alone it is short enough for the conv's one token
+    group per block, among them it is split into groups)."""
+    hk, hv, dk, dv, kernel = 2, 6, 128, 128, 4
+    C = conv_channels(hk, hv, dk, dv)
+    rng = np.random.default_rng(23)
+    q_lens, starts, slots = [1, 64, 20, 5], [10, 0, 50, 3], np.asarray([0, 1, 3, 2], np.int32)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ctx_len = (np.asarray(starts) + np.asarray(q_lens)).astype(np.int32)
+    T = int(q_start[-1])
+    rows = slice(q_start[2], q_start[3])  # sequence 2, on slot 3
+    alone = (np.asarray([0, 20], np.int32), np.asarray([70], np.int32), np.asarray([3], np.int32))
+    g = harness(DEVICE, act)
+
+    x = rand(rng, (T, C), -2, 2, act)
+    w = rand(rng, (C, kernel), -1, 1, act)
+    conv_state = rand(rng, (4, (kernel - 1) * C), -2, 2, act)
+    out_b, st_b = (np.asarray(a) for a in g.causal_conv1d(x, w, conv_state, q_start, ctx_len, slots, hk, hv, dk, dv,
+                                                          kernel))
+    out_a, st_a = (np.asarray(a) for a in g.causal_conv1d(x[rows], w, conv_state, *alone, hk, hv, dk, dv, kernel))
+    assert np.array_equal(out_b[rows], out_a)
+    assert np.array_equal(st_b[3], st_a[3])
+
+    qkv, a, b, a_log, dt_bias, state = gdn_inputs(rng, T, hk, hv, dk, dv, 4, act)
+    out_b, st_b = (np.asarray(o) for o in g.gated_delta_rule(qkv, a, b, a_log, dt_bias, state, q_start, ctx_len, slots,
+                                                             hk, hv, dk, dv))
+    out_a, st_a = (np.asarray(o) for o in g.gated_delta_rule(qkv[rows], a[rows], b[rows], a_log, dt_bias, state,
+                                                             *alone, hk, hv, dk, dv))
+    assert np.array_equal(out_b[rows], out_a)
+    assert np.array_equal(st_b[3], st_a[3])

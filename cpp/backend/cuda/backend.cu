@@ -393,6 +393,25 @@ void CudaBackend::attention(const Tensor& q, const KvLayer& cache, const AttnBat
   launch_attention(q, cache, b, sh, out, attn_workspace(b, sh), num_sms_, stream_);
 }
 
+void CudaBackend::sigmoid_mul(Tensor& x, const Tensor& gate) {
+  set_device();
+  launch_sigmoid_mul(x, gate, stream_);
+}
+void CudaBackend::causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& s,
+                                StateLayer& st, Tensor& out) {
+  set_device();
+  launch_causal_conv1d(x, w, b, s, st, out, stream_);
+}
+void CudaBackend::gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& bt, const Tensor& a_log,
+                                   const Tensor& dt_bias, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
+                                   Tensor& out) {
+  set_device();
+  launch_gated_delta_rule(qkv, a, bt, a_log, dt_bias, b, s, st, out, stream_);
+}
+void CudaBackend::gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim) {
+  set_device();
+  launch_gated_rms_norm(x, z, w, eps, head_dim, stream_);
+}
 void CudaBackend::gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) {
   set_device();
   QRT_CHECK(x.cols == out.cols, "cuda gather_rows: column mismatch");

@@ -60,6 +60,13 @@ class CudaBackend final : public Backend {
                      KvLayer& cache, Tensor& out) override;
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
                  Tensor& out) override;
+  void sigmoid_mul(Tensor& x, const Tensor& gate) override;
+  void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& batch, const DeltaNetShape& s,
+                     StateLayer& state, Tensor& out) override;
+  void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                        const Tensor& dt_bias, const AttnBatch& batch, const DeltaNetShape& s, StateLayer& state,
+                        Tensor& out) override;
+  void gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim) override;
   void gather_rows(const Tensor& x, const int32_t* rows, Tensor& out) override;
   void add(Tensor& x, const Tensor& y) override;
   void fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n) override;

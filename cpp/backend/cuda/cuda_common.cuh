@@ -209,6 +209,16 @@ void launch_copy_rows(const void* src, DType st, int64_t src_stride, const int32
                       DType dt, int64_t dst_stride, const int32_t* dst_rows, int64_t n, int64_t row_elems,
                       cudaStream_t s);
 
+// Gated DeltaNet and gated attention (gdn.cu): Backend::sigmoid_mul, gated_rms_norm, causal_conv1d and
+// gated_delta_rule (ops.h).
+void launch_sigmoid_mul(Tensor& x, const Tensor& gate, cudaStream_t s);
+void launch_gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim, cudaStream_t s);
+void launch_causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& sh,
+                          StateLayer& st, Tensor& out, cudaStream_t s);
+void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                             const Tensor& dt_bias, const AttnBatch& batch, const DeltaNetShape& sh, StateLayer& st,
+                             Tensor& out, cudaStream_t s);
+
 // Attention (attention.cu). Workspace comes from the caller (grown as needed by attn_workspace_bytes).
 struct AttnWorkspace {
   float* partial = nullptr;  // split partial outputs
