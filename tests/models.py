@@ -177,6 +177,10 @@ CONFIGS: dict[str, dict] = {
                           num_hidden_layers=3, tie_word_embeddings=False, linear_num_key_heads=2,
                           linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=16,
                           layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # The real head sizes of Qwen3.8-27B (attention 256 with 64 rotated; DeltaNet 128 x 128, value/key heads 2).
+    "qwen35_hd256": dict(arch="Qwen3_5ForCausalLM", num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                         num_hidden_layers=4, tie_word_embeddings=False, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128),
 }
 HYBRID_CONFIGS = [n for n, c in CONFIGS.items() if c["arch"] == "Qwen3_5ForCausalLM"]
 

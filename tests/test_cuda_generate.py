@@ -19,7 +19,7 @@ if not _HAVE:
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # The CUDA attention kernels take the head sizes of real Qwen models (64, 128, 256).
-NAMES = ["qwen3_hd128_gqa2", "qwen3_hd64_gqa4", "qwen2_hd64_bias"]
+NAMES = ["qwen3_hd128_gqa2", "qwen3_hd64_gqa4", "qwen2_hd64_bias", "qwen35_ratio3", "qwen35_hd256"]
 
 
 def cuda_gen(folder, **kw):
@@ -40,7 +40,7 @@ def test_greedy_fp32_equals_transformers(build, name):
         assert not M.greedy_mismatch(folder, p, c.token_ids, 12), name
 
 
-@pytest.mark.parametrize("name", ["qwen3_hd128_gqa2", "qwen2_hd64_bias"])
+@pytest.mark.parametrize("name", ["qwen3_hd128_gqa2", "qwen2_hd64_bias", "qwen35_hd256"])
 def test_bf16_logprobs_close(build, name):
     """bf16 mode: top-5 logprobs of the first token stay as close to transformers' fp32 ones as
     transformers' own bf16 run does (at most twice its error, plus 0.02)."""
@@ -264,3 +264,16 @@ def test_prefix_cache_bf16_logprobs_close(build):
     ours = max(abs(c.logprobs[0][t] - ref[t]) for t in toks)
     theirs = max(abs(hf_bf16[t] - ref[t]) for t in toks)
     assert ours <= 2 * theirs + 0.02, (ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["qwen35_ratio3", "qwen35_hd256"])
+def test_hybrid_batch_and_slot_reuse_fp32(build, name):
+    """Hybrid models on the GPU: 24 requests of mixed lengths through 4 slots (states started afresh, chunked
+    prefill, decode graphs) give transformers' greedy tokens."""
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=41, lengths=[1, 3, 9, 17, 33, 70] * 4, max_new=10)
+    with cuda_gen(folder, max_batch_size=4, max_num_batched_tokens=32) as g:
+        outs = [r.result() for r in [g.submit(p, max_tokens=10, **GREEDY) for p in prompts]]
+    for p, c in zip(prompts, outs):
+        msg = M.greedy_mismatch(folder, p, c.token_ids, 10)
+        assert not msg, msg
