@@ -161,6 +161,12 @@ inline bool is_float_dtype(DType t) {
   return t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::F8E4M3;
 }
 
+// Throws unless t has an activation dtype (F32, F16, BF16).
+inline void check_act(const Tensor& t, const char* op) {
+  QRT_CHECK(t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16, "cuda ", op,
+            ": unsupported activation dtype ", dtype_name(t.dtype));
+}
+
 // Calls f(T{}) with T the C++ type of an activation dtype (F32, F16, BF16).
 template <typename F>
 void dispatch_act(DType t, const char* op, F&& f) {

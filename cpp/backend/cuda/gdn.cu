@@ -12,11 +12,6 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // torch's softplus (beta 1, threshold 20), as the CPU backend.
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-void check_act(const Tensor& t, const char* op) {
-  QRT_CHECK(t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16, "cuda ", op,
-            ": unsupported activation dtype ", dtype_name(t.dtype));
-}
-
 // Whether the element ranges of two tensors overlap (an op called in place).
 bool overlaps(const Tensor& a, const Tensor& b) {
   if (a.rows == 0 || b.rows == 0) return false;

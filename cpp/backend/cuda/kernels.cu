@@ -244,11 +244,6 @@ __global__ void convert_rows_kernel(const void* src, DType st, int64_t ss, const
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store_any(dst, dt, dr * ds + c, load_any(src, st, sr * ss + c));
 }
 
-void check_act(const Tensor& t, const char* op) {
-  QRT_CHECK(t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16, "cuda ", op,
-            ": unsupported activation dtype ", dtype_name(t.dtype));
-}
-
 }  // namespace
 
 void launch_fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0,
