@@ -95,7 +95,7 @@ struct SampleRow {
 
 struct SampleResult {
   std::vector<int32_t> tokens;          // [rows]
-  std::vector<float> logprobs;          // [rows] logprob of the chosen token (raw logits)
+  std::vector<float> logprobs;          // [rows] logprob of the chosen token (raw logits); NaN: non-finite row
   std::vector<int32_t> top_ids;         // [rows * max_n] top-N by raw logprob, best first
   std::vector<float> top_logprobs;      // [rows * max_n]
   int max_n = 0;
@@ -288,3 +288,7 @@ int cuda_device_count();
 //     kept, the smallest prefix in descending order whose mass reaches top_p; then those with
 //     p >= min_p * p_max.
 //  7. token = argmax over kept of x[t] - log(-log(uniform01(seed, draw, t))) (Gumbel-max).
+// Any logits give a token in [0, vocab): after steps 2-6 a NaN counts as -inf; where the kept maximum is +inf,
+// top_p keeps the +inf tokens (all the mass) and the lowest id of them wins; where it is -inf, the first kept.
+// A row whose log_softmax is undefined (a NaN or +inf logit, or every logit -inf) has logprob NaN: the caller's
+// sign of non-finite logits (SampleResult::logprobs is never NaN otherwise).
