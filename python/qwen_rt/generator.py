@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import numbers
 import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,6 +27,27 @@ class _Closed(RuntimeError):
 
 MAX_LOGPROBS = 20  # the default bound on a request's top logprobs (vLLM's too)
 _POLL_S = 0.2  # wait slice: short enough for Ctrl-C to be seen
+MAX_THREADS = 1024  # num_threads' bound (a thread per core; more only slows the CPU backend)
+
+# Every open Generator, and how many threads are inside one of their native calls (the GIL released).
+_open_generators: "weakref.WeakSet[Generator]" = weakref.WeakSet()
+_native_calls_lock = threading.RLock()  # reentrant: a Request.__del__ (GC) may run inside it
+_native_calls = 0
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Before the interpreter finalizes: a daemon thread still inside a native wait would be ended there when it
+    takes the GIL back, which aborts the process. Every Generator is closed (their waits return), then the exit
+    waits, 10 s at most, until no thread is inside a native call."""
+    for g in list(_open_generators):
+        try:
+            g.close()
+        except Exception:
+            pass
+    deadline = time.monotonic() + 10.0
+    while _native_calls and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _parse_device(device) -> tuple[str, int]:
@@ -253,12 +277,10 @@ class Request:
     def __del__(self):
         # Dropped unfinished (no result(), no cancel()): the engine stops it and keeps none of its output.
         if getattr(self, "finish_reason", "") is None:
-            engine = getattr(self._gen, "_engine", None)
-            if engine is not None:
-                try:
-                    engine.release(self._rid)
-                except Exception:
-                    pass
+            try:
+                self._gen._engine_call("release", self._rid)
+            except Exception:  # the Generator is closed (or was made before a fork)
+                pass
 
 
 class Generator:
@@ -274,7 +296,7 @@ class Generator:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
-                 enable_prefix_caching: bool = True, progress: bool = True):
+                 enable_prefix_caching: bool = True, progress: bool = True, check_weights: bool = True):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -290,7 +312,7 @@ class Generator:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-            hi = 2**64 - 1 if name == "seed" else INT32_MAX  # the engine's uint64 / int32
+            hi = 2**64 - 1 if name == "seed" else MAX_THREADS if name == "num_threads" else INT32_MAX
             if v > hi:
                 raise ValueError(f"{name} must be <= {hi}, got {v}")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
@@ -306,7 +328,7 @@ class Generator:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         for name, v in (("cuda_graphs", cuda_graphs), ("enable_prefix_caching", enable_prefix_caching),
-                        ("progress", progress)):
+                        ("progress", progress), ("check_weights", check_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if load_format not in ("auto", "dummy"):
@@ -353,6 +375,7 @@ class Generator:
         opts.comm = comm
         opts.comm_timeout_s = float(comm_timeout)
         opts.prefix_caching = enable_prefix_caching
+        opts.check_weights = check_weights
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]
@@ -361,6 +384,7 @@ class Generator:
             self._engine = _core.Engine(ncfg, tensors, opts, bar)
         finally:
             bar.close()
+        _open_generators.add(self)
         self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
         self.dtype = adt
         self.weight_dtype = wdt
@@ -397,15 +421,21 @@ class Generator:
         return list(self.tokenizer.eos_token_ids) if self.tokenizer else []
 
     def _engine_call(self, name, *args):
-        engine = self._engine  # read once: close() from another thread may clear it
-        if engine is None:
-            raise _Closed("the Generator is closed")
+        global _native_calls
+        with _native_calls_lock:  # counted from before the handle is read: the exit waits for the call's end
+            engine = self._engine  # read once: close() from another thread may clear it
+            if engine is None:
+                raise _Closed("the Generator is closed")
+            _native_calls += 1
         try:
             return getattr(engine, name)(*args)
         except RuntimeError as e:
             if self._engine is None:  # close() cleared the handle while the call ran
                 raise _Closed("the Generator is closed") from e
             raise
+        finally:
+            with _native_calls_lock:
+                _native_calls -= 1
 
     # -- request building --------------------------------------------------------------------------
 
