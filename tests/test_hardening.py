@@ -303,3 +303,121 @@ def test_fork_child_gets_a_clear_error(build):
         g.close()
     """, timeout=60)
     assert p.returncode == 0 and "child 0" in p.stdout and "same True" in p.stdout, (p.stdout, p.stderr[-3000:])
+
+
+# --- config values and model files: ValueError naming the field -------------------------------------------------
+
+def _yarn(factor):
+    return lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": factor, "rope_theta": 1e6,
+                                               "original_max_position_embeddings": 256})
+
+
+def _legacy_sliding(c, use):
+    """A config without layer_types (before transformers 5), whose use_sliding_window is `use`."""
+    c.pop("layer_types", None)
+    c["use_sliding_window"] = use
+
+
+# (config.json edit, what the message must name)
+BAD_CONFIGS = [
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads"),  # was ZeroDivisionError
+    (lambda c: c.update(hidden_size=2**31), "hidden_size"),               # was nanobind's TypeError
+    (lambda c: c.update(intermediate_size=2**40), "intermediate_size"),
+    (lambda c: c.update(num_hidden_layers=2**31 - 1), "layers.3.input_layernorm"),  # the checkpoint has 3
+    (lambda c: c.update(hidden_size=64.7), "hidden_size"),                # was truncated to 64
+    (lambda c: c.update(hidden_size="64"), "hidden_size"),
+    (lambda c: c.update(vocab_size=True), "vocab_size"),
+    (lambda c: c.update(head_dim=7), "head_dim"),
+    (lambda c: c.update(head_dim=2**30), "head_dim"),
+    (lambda c: c.update(max_position_embeddings=-1), "max_position_embeddings"),
+    (lambda c: c.update(tie_word_embeddings="false"), "tie_word_embeddings"),
+    (lambda c: c.update(architectures=5), "architectures"),
+    (lambda c: c.update(architectures=[["Qwen3ForCausalLM"]]), "architectures"),
+    (lambda c: c.update(rms_norm_eps="x"), "rms_norm_eps"),
+    (lambda c: c.update(rope_theta=1e39, rope_parameters=None), "rope_theta"),
+    (_yarn(0), "factor"), (_yarn(-1), "factor"), (_yarn(float("nan")), "NaN|factor"), (_yarn(1e30), "factor"),
+    (lambda c: c.update(eos_token_id="2"), "eos_token_id"),
+    (lambda c: _legacy_sliding(c, "yes"), "use_sliding_window"),
+    (lambda c: c.update(layer_types="full_attention"), "layer_types"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_CONFIGS)))
+def test_bad_config_values_name_the_field(build, tmp_path, i):
+    edit, name = BAD_CONFIGS[i]
+    f = M.copy_folder(build(UNTIED), tmp_path / "m")
+    M.edit_json(f / "config.json", edit)
+    with pytest.raises(ValueError, match=name):
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2), progress=False)
+
+
+@pytest.mark.parametrize("case", ["nested-config", "tokenizer-config-list", "template-not-utf8", "gen-temperature",
+                                  "gen-eos"])
+def test_bad_model_files_name_the_file(build, tmp_path, case):
+    f = M.copy_folder(build(UNTIED), tmp_path / "m")
+    kw = M.base_kwargs(f, max_batch_size=2)
+    if case == "nested-config":  # was RecursionError
+        (f / "config.json").write_text('{"a":' + "[" * 100000 + "]" * 100000 + "}")
+        match = "config.json.*not valid JSON"
+    elif case == "tokenizer-config-list":
+        (f / "tokenizer_config.json").write_text("[1, 2]")
+        match = "tokenizer_config.json: not a JSON object"
+    elif case == "template-not-utf8":
+        (f / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+        match = "chat_template.jinja: not UTF-8"
+    elif case == "gen-temperature":
+        M.edit_json(f / "generation_config.json", lambda c: c.update(temperature="0.7"))
+        match = "generation_config.json: temperature"
+    else:
+        M.edit_json(f / "generation_config.json", lambda c: c.update(eos_token_id=[1, "2"]))
+        match = "generation_config.json's eos_token_id"
+    with pytest.raises(ValueError, match=match):
+        qwen_rt.Generator(str(f), **kw, progress=False)
+
+
+def test_bad_text_and_arguments(build, make_gen):
+    f = build(UNTIED)
+    g = make_gen(f, max_batch_size=4)
+    with pytest.raises(ValueError, match=r"lone surrogate \(U\+D800 at index 2\)"):  # was the tokenizer's TypeError
+        g.generate("ab\ud800c", max_tokens=2)
+    with pytest.raises(ValueError, match="num_threads must be <= 1024"):  # was an unrelated error
+        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2), num_threads=100000)
+    assert g.generate([[5, 6]], max_tokens=2, temperature=0.0)[0].finish_reason == "length"
+
+
+def test_chat_template_work_is_bounded(build, make_gen):
+    """Nested range(100000) loops hung the caller: a ValueError once the template passes its loop bound."""
+    import time
+    g = make_gen(build(UNTIED), max_batch_size=4)
+    msgs = [{"role": "user", "content": "hi" * 300}]
+    for tpl in ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                "{% set r = range(1000) %}{% for a in r %}{% for b in r %}{% for c in r %}{% endfor %}{% endfor %}"
+                "{% endfor %}",
+                "{% for a in messages[0].content %}{% for b in messages[0].content %}{% for c in messages[0].content %}"
+                "{% endfor %}{% endfor %}{% endfor %}",
+                "{{ 'x' * 10 ** 9 }}", "{{ 2 ** 100000000 }}", "{% for i in range(9000) %}{{ 'y' * 10000 }}{% endfor %}",
+                "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "{{ range(10 ** 9) | list }}"):
+        t = time.monotonic()
+        with pytest.raises(ValueError, match="chat template failed"):
+            g.chat_prompt(msgs, chat_template=tpl)
+        assert time.monotonic() - t < 10, tpl
+    # An ordinary template still renders.
+    assert g.tokenizer.apply_chat_template(msgs, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+                                           add_generation_prompt=False) == "hi" * 300
+
+
+def test_many_stop_strings_cost_per_distinct_length():
+    """100,000 stop strings cost 1.6 ms of matching a token when each was searched: now a set lookup per distinct
+    length and character (a generous bound: 1,000 feeds in 0.5 s, they took 1.6 s)."""
+    import time
+    from qwen_rt.tokenizer import StopMatcher
+    rng = np.random.default_rng(9)
+    stops = ["".join(rng.choice(list("abcdefghij"), size=int(n))) + "#" for n in rng.integers(4, 12, size=100_000)]
+    m = StopMatcher(stops)
+    StopMatcher(stops)  # the index is built once per stop list
+    t = time.monotonic()
+    out = "".join(m.feed(" tok")[0] for _ in range(1000))
+    assert time.monotonic() - t < 0.5
+    assert out == " tok" * 1000 and not m.stopped
+    piece, stopped = m.feed(" " + stops[123])
+    assert stopped and m.matched == stops[123] and piece == " "

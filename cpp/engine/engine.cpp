@@ -287,7 +287,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   std::unique_ptr<WeightFiles> files;
   if (!opt.dummy_weights) {
     files = std::make_unique<WeightFiles>(tensors, opt.check_weights);
-    for (const auto& t : checkpoint_tensors(cfg)) files->check(t.name, t.rows, t.cols);  // all, before any read
+    // Every tensor, before any is read or anything allocated.
+    for_each_checkpoint_tensor(cfg, [&](const CheckpointTensor& t) { files->check(t.name, t.rows, t.cols); });
   }
 
   ranks.resize(n);

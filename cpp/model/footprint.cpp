@@ -7,35 +7,34 @@
 
 namespace qrt {
 
-std::vector<CheckpointTensor> checkpoint_tensors(const ModelConfig& c) {
+void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(const CheckpointTensor&)>& fn) {
   const std::string& pre = c.weight_prefix;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
   const int64_t qn = int64_t(c.num_q_heads) * D, kn = int64_t(c.num_kv_heads) * D;
-  std::vector<CheckpointTensor> out{{pre + "embed_tokens.weight", V, H}};
+  fn({pre + "embed_tokens.weight", V, H});
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = pre + "layers." + std::to_string(l) + ".";
-    out.push_back({p + "input_layernorm.weight", 1, H});
-    out.push_back({p + "post_attention_layernorm.weight", 1, H});
-    out.push_back({p + "self_attn.q_proj.weight", qn, H});
-    out.push_back({p + "self_attn.k_proj.weight", kn, H});
-    out.push_back({p + "self_attn.v_proj.weight", kn, H});
+    fn({p + "input_layernorm.weight", 1, H});
+    fn({p + "post_attention_layernorm.weight", 1, H});
+    fn({p + "self_attn.q_proj.weight", qn, H});
+    fn({p + "self_attn.k_proj.weight", kn, H});
+    fn({p + "self_attn.v_proj.weight", kn, H});
     if (c.attn_bias) {
-      out.push_back({p + "self_attn.q_proj.bias", 1, qn});
-      out.push_back({p + "self_attn.k_proj.bias", 1, kn});
-      out.push_back({p + "self_attn.v_proj.bias", 1, kn});
+      fn({p + "self_attn.q_proj.bias", 1, qn});
+      fn({p + "self_attn.k_proj.bias", 1, kn});
+      fn({p + "self_attn.v_proj.bias", 1, kn});
     }
     if (c.qk_norm) {
-      out.push_back({p + "self_attn.q_norm.weight", 1, D});
-      out.push_back({p + "self_attn.k_norm.weight", 1, D});
+      fn({p + "self_attn.q_norm.weight", 1, D});
+      fn({p + "self_attn.k_norm.weight", 1, D});
     }
-    out.push_back({p + "self_attn.o_proj.weight", H, qn});
-    out.push_back({p + "mlp.gate_proj.weight", I, H});
-    out.push_back({p + "mlp.up_proj.weight", I, H});
-    out.push_back({p + "mlp.down_proj.weight", H, I});
+    fn({p + "self_attn.o_proj.weight", H, qn});
+    fn({p + "mlp.gate_proj.weight", I, H});
+    fn({p + "mlp.up_proj.weight", I, H});
+    fn({p + "mlp.down_proj.weight", H, I});
   }
-  out.push_back({pre + "norm.weight", 1, H});
-  if (!c.tie_embeddings) out.push_back({"lm_head.weight", V, H});
-  return out;
+  fn({pre + "norm.weight", 1, H});
+  if (!c.tie_embeddings) fn({"lm_head.weight", V, H});
 }
 
 Footprint footprint(const ModelConfig& c, const FootprintShape& s) {

@@ -2,6 +2,7 @@
 // read) and the bytes each rank allocates (checked against the device before anything is allocated).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,8 +17,9 @@ struct CheckpointTensor {
   int64_t rows, cols;
 };
 
-// Every tensor QwenModel::load_weights reads, in its order.
-std::vector<CheckpointTensor> checkpoint_tensors(const ModelConfig& c);
+// Calls fn with every tensor QwenModel::load_weights reads, in its order (one at a time: a config of 2^31 layers
+// is checked against a checkpoint of a few without listing them all).
+void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(const CheckpointTensor&)>& fn);
 
 // Bytes one rank of `ranks` allocates, as QwenModel and KvCache allocate them (doubles: a hostile config's
 // products overflow no integer here).

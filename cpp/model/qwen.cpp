@@ -20,6 +20,9 @@ void validate(const ModelConfig& c) {
   QRT_CHECK_ARG(c.head_dim > 0 && c.head_dim % 2 == 0, "config: head_dim must be positive and even");
   QRT_CHECK_ARG(c.rot_dim() > 0 && c.rot_dim() <= c.head_dim, "config: bad rotary dimension ", c.rot_dim());
   QRT_CHECK_ARG(c.max_position_embeddings > 0, "config: max_position_embeddings must be positive");
+  const int64_t int_max = 0x7fffffff;  // the rows and columns below are int
+  QRT_CHECK_ARG(int64_t(c.num_q_heads) * c.head_dim <= int_max && 2 * int64_t(c.intermediate_size) <= int_max,
+                "config: num_attention_heads x head_dim and 2 x intermediate_size must be below 2^31");
 }
 
 QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,

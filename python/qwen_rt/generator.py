@@ -355,6 +355,11 @@ class Generator:
             self._no_tokenizer = ("this model has no tokenizer.json (vocab.json and merges.txt alone are not read: "
                                   "transformers' save_pretrained of its tokenizer writes tokenizer.json)")
         wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, config_dtype(self.config)))
+        self.vocab_size = ncfg.vocab_size
+        # Top logprobs a request may ask for: each one costs a pass over the vocabulary and host memory per row.
+        self.max_logprobs = max_logprobs
+        self._defaults = self._sampling_defaults()
+        self._eos = self._eos_ids()
 
         opts = _core.EngineOptions()
         opts.device = dev
@@ -388,20 +393,17 @@ class Generator:
         self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
         self.dtype = adt
         self.weight_dtype = wdt
-        self.vocab_size = ncfg.vocab_size
-        # Top logprobs a request may ask for: each one costs a pass over the vocabulary and host memory per row.
-        self.max_logprobs = max_logprobs
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds
         # every token of a request but its last). An unset max_tokens stops there.
         self._longest = min(self.max_model_len, st["total_pages"] * st["page_size"] + 1)
-        self._defaults = self._sampling_defaults()
-        self._eos = self._eos_ids()
 
     # -- setup helpers -----------------------------------------------------------------------------
 
     def _sampling_defaults(self) -> dict:
+        """generation_config.json's sampling defaults, each checked (ValueError naming the key), so a bad one fails
+        the load rather than every request."""
         g = self.generation_config
         d = {}
         for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
@@ -411,13 +413,25 @@ class Generator:
             d["temperature"] = 0.0
         if g.get("max_new_tokens") is not None:
             d["max_tokens"] = g["max_new_tokens"]
+        try:
+            SamplingParams().resolved(d).validate(self.vocab_size, self.max_logprobs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config.json: {e}") from None
         return d
 
     def _eos_ids(self) -> list[int]:
-        for src in (self.generation_config.get("eos_token_id"), self.config.get("eos_token_id")):
+        """generation_config.json's eos_token_id, else config.json's, else the tokenizer's (each file's checked)."""
+        found = []
+        for where, src in (("generation_config.json", self.generation_config.get("eos_token_id")),
+                           ("config.json", self.config.get("eos_token_id"))):
             if src is not None:
-                ids = [src] if isinstance(src, int) else list(src)
-                return [i for i in ids if 0 <= i < self.vocab_size]
+                ids = [src] if is_int(src) else src
+                if not isinstance(ids, list) or not all(is_int(i) for i in ids):
+                    raise ValueError(f"{where}'s eos_token_id must be an integer or a list of integers, "
+                                     f"got {src!r}"[:300])
+                found.append([int(i) for i in ids if 0 <= i < self.vocab_size])
+        if found:
+            return found[0]
         return list(self.tokenizer.eos_token_ids) if self.tokenizer else []
 
     def _engine_call(self, name, *args):
@@ -456,7 +470,14 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self._no_tokenizer}: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except TypeError:  # the tokenizer takes only valid Unicode: a lone surrogate is not
+                bad = next((i for i, ch in enumerate(prompt) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+                if bad is None:
+                    raise
+                raise ValueError(f"prompt holds a lone surrogate (U+{ord(prompt[bad]):04X} at index {bad}), which "
+                                 "is not text: decode its bytes with errors='replace'") from None
         elif isinstance(prompt, (list, tuple)):
             bad = [t for t in prompt if not is_int(t)][:1]
             if bad:
