@@ -157,7 +157,7 @@ def _check_full_attention(cfg: dict, context: int) -> None:
     """Every layer attends to all keys here: a config whose layers use a window shorter than the context is
     refused rather than run differently (official Qwen2/Qwen3 configs set use_sliding_window false)."""
     # Absent keys take transformers' Qwen2/Qwen3 defaults (sliding_window 4096, max_window_layers 28).
-    window = config_int(cfg, "sliding_window", 0, lo=0, hi=2**63) if "sliding_window" in cfg else 4096
+    window = config_int(cfg, "sliding_window", 0, lo=0, hi=2**63 - 1) if "sliding_window" in cfg else 4096
     if cfg.get("layer_types") is not None:
         if not isinstance(cfg["layer_types"], list):
             raise ValueError(f"config.json's layer_types must be a list, got {cfg['layer_types']!r}"[:300])

@@ -75,11 +75,12 @@ def _unique_keys(pairs: list) -> dict:
     return dict(pairs)
 
 
-def parse_json(raw: bytes | str, where: str):
-    """Strict JSON (no duplicate keys, no NaN/Infinity), any nesting; ValueError naming `where` when it is not."""
+def parse_json(raw: bytes | str, where: str, constants: bool = True):
+    """JSON without duplicate keys (which value was meant?), any nesting; ValueError naming `where` when it is not.
+    constants=False: NaN and Infinity are refused too (the safetensors format's JSON has none)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=None if constants else _reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"{where}: not valid JSON ({type(e).__name__}: {e})"[:500]) from None
 
@@ -124,7 +125,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         os.close(fd)
     if len(raw) != n:
         raise ValueError(f"{path}: truncated safetensors header")
-    header = parse_json(raw, f"{path}: safetensors header")
+    header = parse_json(raw, f"{path}: safetensors header", constants=False)
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.get("__metadata__")
@@ -157,7 +158,7 @@ def _tensor_info(path: Path, name: str, entry, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise bad("not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise bad(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BITS)}")
     if not (isinstance(shape, list) and all(_usize(d) for d in shape)):
         raise bad(f"shape must be a list of unsigned integers, got {shape!r}"[:300])
