@@ -127,6 +127,8 @@ class Backend {
   virtual void release(void* p) noexcept = 0;
   // Stream-ordered copy from host memory; host_src may be reused once upload returns.
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  // Whether backend memory is host memory the host may write directly (upload is a memcpy).
+  virtual bool host_memory() const { return false; }
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
   virtual void fill_zero(void* p, size_t bytes) = 0;
   virtual void synchronize() = 0;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -18,14 +19,22 @@ WeightFiles::WeightFiles(const std::vector<TensorSource>& tensors, bool check_fi
 
 namespace {
 
-// Index of the first of n values whose exponent bits are all ones (NaN or inf), or n. Blocks of 1024 are tested
-// with a branch-free OR (vectorized), so a finite tensor costs one streaming pass.
+// Index of the first of n values whose exponent bits are all ones (NaN or inf), or n; copies the values to dst
+// on the way unless it is null. Blocks of 1024 are tested with a branch-free OR (vectorized): one streaming pass.
 template <typename U>
-int64_t first_nonfinite(const U* p, int64_t n, U exponent) {
+int64_t first_nonfinite(const U* __restrict p, U* __restrict dst, int64_t n, U exponent) {
   for (int64_t b = 0; b < n; b += 1024) {
     const int64_t e = std::min<int64_t>(n, b + 1024);
     U any = 0;
-    for (int64_t i = b; i < e; ++i) any |= U((p[i] & exponent) == exponent);
+    if (dst) {
+      for (int64_t i = b; i < e; ++i) {
+        const U x = p[i];
+        dst[i] = x;
+        any |= U((x & exponent) == exponent);
+      }
+    } else {
+      for (int64_t i = b; i < e; ++i) any |= U((p[i] & exponent) == exponent);
+    }
     if (any)
       for (int64_t i = b; i < e; ++i)
         if ((p[i] & exponent) == exponent) return i;
@@ -36,12 +45,19 @@ int64_t first_nonfinite(const U* p, int64_t n, U exponent) {
 }  // namespace
 
 void WeightFiles::check_finite(const TensorSource& t, const char* src, DType dtype, int64_t n, int64_t row,
-                               int64_t col) const {
+                               int64_t col, char* host_dst) const {
   if (!check_finite_) return;
   int64_t at = n;
-  if (dtype == DType::F32) at = first_nonfinite(reinterpret_cast<const uint32_t*>(src), n, uint32_t(0x7f800000u));
-  else if (dtype == DType::BF16) at = first_nonfinite(reinterpret_cast<const uint16_t*>(src), n, uint16_t(0x7f80u));
-  else if (dtype == DType::F16) at = first_nonfinite(reinterpret_cast<const uint16_t*>(src), n, uint16_t(0x7c00u));
+  using u16 = uint16_t;
+  using u32 = uint32_t;
+  if (dtype == DType::F32)
+    at = first_nonfinite(reinterpret_cast<const u32*>(src), reinterpret_cast<u32*>(host_dst), n, u32(0x7f800000u));
+  else if (dtype == DType::BF16)
+    at = first_nonfinite(reinterpret_cast<const u16*>(src), reinterpret_cast<u16*>(host_dst), n, u16(0x7f80u));
+  else if (dtype == DType::F16)
+    at = first_nonfinite(reinterpret_cast<const u16*>(src), reinterpret_cast<u16*>(host_dst), n, u16(0x7c00u));
+  else if (host_dst)
+    std::memcpy(host_dst, src, size_t(n) * dtype_size(dtype));
   if (at == n) return;
   const int64_t cols = t.shape.empty() ? 1 : t.shape.back();
   const int64_t flat = row * cols + col + at;
@@ -120,6 +136,10 @@ void WeightFiles::read(Backend& be, const std::string& name, int64_t full_rows, 
   const char* src = data_of(t);
   const int64_t dst_esz = int64_t(dtype_size(dst.dtype));
   if (st == dst.dtype && c0 == 0 && dst.cols == cols && dst.contiguous()) {  // straight copy of whole rows
+    if (check_finite_ && be.host_memory()) {  // checked as it is copied: one pass
+      check_finite(t, src + r0 * cols * esz, st, dst.rows * cols, r0, 0, static_cast<char*>(dst.data));
+      return;
+    }
     // In pieces of 4 MiB, each checked while it is in cache.
     const int64_t piece = std::max<int64_t>(1, (int64_t(4) << 20) / std::max<int64_t>(1, cols * esz));
     for (int64_t r = 0; r < dst.rows; r += piece) {

@@ -44,8 +44,10 @@ class WeightFiles {
   struct Mapping { void* base = nullptr; size_t size = 0; };
   const char* data_of(const TensorSource& t);  // maps t's file on first use; safe from every rank's thread
   // With check_finite: throws naming the tensor and the element when n values of dtype at src hold a NaN or inf
-  // (the first is at row `row`, column `col` of the tensor).
-  void check_finite(const TensorSource& t, const char* src, DType dtype, int64_t n, int64_t row, int64_t col) const;
+  // (the first is at row `row`, column `col` of the tensor). host_dst (may be null): where the values are copied
+  // on the way (host memory), one pass over them instead of two.
+  void check_finite(const TensorSource& t, const char* src, DType dtype, int64_t n, int64_t row, int64_t col,
+                    char* host_dst = nullptr) const;
   bool check_finite_ = false;
   std::map<std::string, TensorSource> index_;
   std::mutex maps_mu_;
