@@ -312,6 +312,12 @@ def _yarn(factor):
                                                "original_max_position_embeddings": 256})
 
 
+def _qwen2_heads(c, heads):
+    """A Qwen2 config (head_dim: hidden_size / heads) with `heads` attention heads."""
+    c.pop("head_dim", None)
+    c.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_attention_heads=heads)
+
+
 def _legacy_sliding(c, use):
     """A config without layer_types (before transformers 5), whose use_sliding_window is `use`."""
     c.pop("layer_types", None)
@@ -320,7 +326,7 @@ def _legacy_sliding(c, use):
 
 # (config.json edit, what the message must name)
 BAD_CONFIGS = [
-    (lambda c: c.update(num_attention_heads=0), "num_attention_heads"),  # was ZeroDivisionError
+    (lambda c: _qwen2_heads(c, 0), "num_attention_heads"),  # was ZeroDivisionError (hidden_size // heads)
     (lambda c: c.update(hidden_size=2**31), "hidden_size"),               # was nanobind's TypeError
     (lambda c: c.update(intermediate_size=2**40), "intermediate_size"),
     (lambda c: c.update(num_hidden_layers=2**31 - 1), "layers.3.input_layernorm"),  # the checkpoint has 3
@@ -346,9 +352,10 @@ BAD_CONFIGS = [
 def test_bad_config_values_name_the_field(build, tmp_path, i):
     edit, name = BAD_CONFIGS[i]
     f = M.copy_folder(build(UNTIED), tmp_path / "m")
+    kw = M.base_kwargs(f, max_batch_size=2)
     M.edit_json(f / "config.json", edit)
     with pytest.raises(ValueError, match=name):
-        qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2), progress=False)
+        qwen_rt.Generator(str(f), **kw, progress=False)
 
 
 @pytest.mark.parametrize("case", ["nested-config", "tokenizer-config-list", "template-not-utf8", "gen-temperature",
