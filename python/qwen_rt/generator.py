@@ -35,6 +35,17 @@ _native_calls_lock = threading.RLock()  # reentrant: a Request.__del__ (GC) may 
 _native_calls = 0
 
 
+def _after_fork_in_child() -> None:
+    """The child has none of the parent's threads: none is inside a native call, none holds the counter's lock."""
+    global _native_calls_lock, _native_calls
+    _native_calls_lock = threading.RLock()
+    _native_calls = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _close_at_exit() -> None:
     """Before the interpreter finalizes: a daemon thread still inside a native wait would be ended there when it
