@@ -439,6 +439,8 @@ def test_bad_text_and_arguments(build, make_gen):
     g = make_gen(f, max_batch_size=4)
     with pytest.raises(ValueError, match=r"lone surrogate \(U\+D800 at index 2\)"):  # was the tokenizer's TypeError
         g.generate("ab\ud800c", max_tokens=2)
+    with pytest.raises(ValueError, match=r"lone surrogate \(U\+DC00"):
+        g.chat([{"role": "user", "content": "x\udc00"}], max_tokens=2)
     with pytest.raises(ValueError, match="num_threads must be <= 1024"):  # was an unrelated error
         qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=2), num_threads=100000)
     assert g.generate([[5, 6]], max_tokens=2, temperature=0.0)[0].finish_reason == "length"

@@ -481,14 +481,7 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self._no_tokenizer}: pass prompts as lists of token ids")
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except TypeError:  # the tokenizer takes only valid Unicode: a lone surrogate is not
-                bad = next((i for i, ch in enumerate(prompt) if 0xD800 <= ord(ch) <= 0xDFFF), None)
-                if bad is None:
-                    raise
-                raise ValueError(f"prompt holds a lone surrogate (U+{ord(prompt[bad]):04X} at index {bad}), which "
-                                 "is not text: decode its bytes with errors='replace'") from None
+            ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             bad = [t for t in prompt if not is_int(t)][:1]
             if bad:

@@ -227,7 +227,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the tokenizer takes only valid Unicode: a lone surrogate is not
+            bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise ValueError(f"text holds a lone surrogate (U+{ord(text[bad]):04X} at index {bad}), which is not "
+                             "Unicode text: decode its bytes with errors='replace'") from None
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
