@@ -153,16 +153,19 @@ def test_check_weights_names_the_tensor(build, tmp_path, tensor, where, value, d
             assert "non-finite logits" in str(e)
 
 
-def test_nonfinite_logits_fail_only_their_request(build, tmp_path, make_gen):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_nonfinite_logits_fail_only_their_request(build, tmp_path, device):
     """A NaN in one embedding row: a request whose prompt holds that token fails with a RuntimeError naming
     non-finite logits; the requests beside it in the same steps get transformers' tokens, and the engine serves
     on."""
+    if device == "cuda" and _core.cuda_device_count() == 0:
+        pytest.skip("no CUDA device")
     src = build(UNTIED)
     good = M.pick_prompts(src, seed=281, lengths=[9, 12], max_new=8)
     refs = [M.hf_greedy(src, p, 8) for p in good]
     bad_token = next(t for t in range(3, 100) if all(t not in p + r for p, r in zip(good, refs)))
     f = poisoned(build, tmp_path, UNTIED, lambda st: st["model.embed_tokens.weight"][bad_token].fill_(float("nan")))
-    with qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=4), check_weights=False) as g:
+    with qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=4, device=device), check_weights=False) as g:
         for params in (GREEDY, dict(temperature=0.7, top_k=20, top_p=0.8, ignore_eos=True)):
             reqs = [g.submit(good[0], max_tokens=8, **GREEDY), g.submit([5, bad_token, 6], max_tokens=8, **params),
                     g.submit(good[1], max_tokens=8, **GREEDY)]

@@ -103,8 +103,8 @@ bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.beg
 const std::string kUnknownFailure = "engine step failed: an unknown error (or no memory left to describe it)";
 
 const std::string kNonFiniteLogits =
-    "non-finite logits (NaN or inf): the model's weights or activations overflowed for this request; "
-    "Generator(check_weights=True) refuses NaN/inf weights at load";
+    "non-finite logits (NaN or inf) for this request: its activations overflowed, or the weights hold NaN/inf "
+    "(refused at load unless check_weights=False)";
 
 // Test hook: QWEN_RT_TEST_FAIL_RANK=<r> makes every step of rank r fail before its forward (a failing rank's
 // stand-in, while the others wait in its collectives).
@@ -403,7 +403,7 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   const double positions = default_len ? 2 : opt.max_model_len;
   const double need = fixed + positions * per_position + 2 * f.kv_page;  // one page and the scratch page
   QRT_CHECK_ARG(need * sharing <= free_b, "the model needs at least ", int64_t(need), " bytes per rank",
-                n > 1 ? str_cat(" (", n, " ranks)") : std::string(), ": weights ", int64_t(f.weights), ", workspace ",
+                n > 1 && !cuda ? str_cat(" (", n, " ranks share it)") : std::string(), ": weights ", int64_t(f.weights), ", workspace ",
                 int64_t(f.workspace + sampling), ", RoPE table ", int64_t(positions * per_position), ", KV cache of one ",
                 "page ", int64_t(2 * f.kv_page), "; ", where, " has ", int64_t(free_b), " bytes available");
   if (!default_len) return;
