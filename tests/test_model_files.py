@@ -403,3 +403,144 @@ def test_native_config_defaults_and_refusals():
                {"use_sliding_window": True, "sliding_window": 256},  # max_window_layers' default (28): no layer
                {"use_sliding_window": True, "sliding_window": 4096}):
         native_config(dict(base, **ok))
+
+
+# --- no read leaves the model folder; no file blocks the load ---------------------------------------------------
+
+def _outside_file(tmp_path):
+    """A valid safetensors file outside the model folder tmp_path/m (which is returned, with a config)."""
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "outside.safetensors"))
+    m = tmp_path / "m"
+    m.mkdir()
+    _write_config(m)
+    return m
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS", "/etc/passwd"])
+def test_index_entries_stay_inside_the_folder(tmp_path, name):
+    m = _outside_file(tmp_path)
+    if name == "ABS":
+        name = str(tmp_path / "outside.safetensors")
+    (m / "sub").mkdir()
+    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": name}}))
+    with pytest.raises(ValueError, match="leaves the model folder"):
+        resolve(m)
+
+
+@pytest.mark.parametrize("link", ["model.safetensors", "w.safetensors", "shard.safetensors", "config.json",
+                                  "generation_config.json"])
+def test_symlinks_out_of_the_folder_are_refused(tmp_path, link):
+    m = _outside_file(tmp_path)
+    if link == "shard.safetensors":
+        (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": link}}))
+    if link.endswith(".json"):
+        save_file({"a": np.ones(3, np.float32)}, str(m / "model.safetensors"))
+        (tmp_path / "outside.json").write_text("{}")
+        (m / link).unlink(missing_ok=True)
+        (m / link).symlink_to(tmp_path / "outside.json")
+    else:
+        (m / link).symlink_to(tmp_path / "outside.safetensors")
+    with pytest.raises(ValueError, match="outside the model folder"):
+        resolve(m)
+
+
+def test_symlinks_inside_the_folder_and_into_a_hub_cache_are_followed(tmp_path):
+    # A Hugging Face cache: <repo>/snapshots/<rev>/<file> links to <repo>/blobs/<hash>.
+    repo = tmp_path / "models--Qwen--X"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    save_file({"a": np.ones(3, np.float32)}, str(repo / "blobs" / "h1"))
+    (repo / "blobs" / "h2").write_text(json.dumps({"model_type": "qwen3"}))
+    (snap / "model.safetensors").symlink_to("../../blobs/h1")
+    (snap / "config.json").symlink_to("../../blobs/h2")
+    mf = resolve(snap)
+    assert set(mf.tensors) == {"a"} and mf.config == {"model_type": "qwen3"}
+    # Inside a plain folder: a link to a file of its own.
+    m = tmp_path / "plain"
+    m.mkdir()
+    _write_config(m)
+    save_file({"a": np.ones(3, np.float32)}, str(m / "real.bin"))
+    (m / "model.safetensors").symlink_to("real.bin")
+    assert set(resolve(m).tensors) == {"a"}
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "x.safetensors", "config.json", "generation_config.json",
+                                  "model.safetensors.index.json"])
+def test_a_fifo_never_blocks_the_load(tmp_path, name):
+    """A FIFO under a name the loader reads blocked it forever: refused, at once."""
+    import os
+    import threading
+    _write_config(tmp_path)
+    if name != "x.safetensors" and name != "model.safetensors":
+        save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "model.safetensors"))
+    if name == "model.safetensors.index.json":
+        (tmp_path / "model.safetensors").unlink()
+    if name == "config.json":
+        (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    result = []
+    t = threading.Thread(target=lambda: result.append(_raises(lambda: resolve(tmp_path))), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "resolve() blocked on a FIFO"
+    assert result and isinstance(result[0], ValueError) and "not a regular file" in str(result[0]), result
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
+
+
+# --- the safetensors format, as strictly as the reference library -------------------------------------------------
+
+def _raw_file(tmp_path, header: bytes | dict, data: bytes):
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    p = tmp_path / "t.safetensors"
+    p.write_bytes(struct.pack("<Q", len(h)) + h + data)
+    return p
+
+
+def _entry(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize("case,header,data,match", [
+    ("overlap", {"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [4], 2, 6)}, 6, "overlapping or gapped"),
+    ("gap", {"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [4], 6, 10)}, 10, "overlapping or gapped"),
+    ("trailing", {"a": _entry("U8", [4], 0, 4)}, 6, "cover 4 data bytes of 6"),
+    ("dtype-name", {"a": _entry("float32", [1], 0, 4)}, 4, "dtype 'float32' is not one of"),
+    ("huge-dims", {"a": _entry("U8", [2**63, 2, 0], 0, 0)}, 0, "overflows"),
+    ("dim-2^63", {"a": _entry("U8", [2**63, 0], 0, 0)}, 0, "2\\*\\*63"),
+    ("sub-byte", {"a": _entry("F4", [3], 0, 2)}, 2, "whole number of bytes"),
+    ("metadata", {"__metadata__": {"format": 1}, "a": _entry("U8", [4], 0, 4)}, 4, "__metadata__"),
+    ("duplicate", b'{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],'
+                  b'"data_offsets":[0,4]}}', 4, "duplicate key 'a'"),
+    ("nan", b'{"__metadata__":{"a":NaN}}', 0, "not valid JSON"),
+    ("deep", b'{"x":' + b"[" * 100000 + b"]" * 100000 + b"}", 0, "not valid JSON|not an object"),
+])
+def test_format_violations_are_refused(tmp_path, case, header, data, match):
+    p = _raw_file(tmp_path, header, b"\0" * data)
+    with pytest.raises(ValueError, match=match):
+        read_safetensors_header(p)
+    if case not in ("duplicate", "dim-2^63"):  # the reference keeps the last of duplicate keys and takes any usize
+        with pytest.raises(Exception):
+            with safe_open(str(p), framework="numpy") as f:
+                list(f.keys())
+
+
+def test_every_dtype_of_the_format_is_read(tmp_path):
+    header, off = {}, 0
+    for i, (dt, bits) in enumerate(model_files.DTYPE_BITS.items()):
+        n = (16 // bits + 1) * 8 if bits < 8 else 3
+        size = n * bits // 8
+        header[f"t{i}"] = _entry(dt, [n], off, off + size)
+        off += size
+    p = _raw_file(tmp_path, header, b"\0" * off)
+    infos = read_safetensors_header(p)
+    with safe_open(str(p), framework="numpy") as f:
+        assert set(f.keys()) == set(infos)
+    assert {i.dtype for i in infos.values()} == set(model_files.DTYPE_BITS)

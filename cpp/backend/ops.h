@@ -118,7 +118,7 @@ struct SampleRow {
 
 struct SampleResult {
   std::vector<int32_t> tokens;          // [rows]
-  std::vector<float> logprobs;          // [rows] logprob of the chosen token (raw logits)
+  std::vector<float> logprobs;          // [rows] logprob of the chosen token (raw logits); NaN: non-finite row
   std::vector<int32_t> top_ids;         // [rows * max_n] top-N by raw logprob, best first
   std::vector<float> top_logprobs;      // [rows * max_n]
   int max_n = 0;
@@ -150,6 +150,8 @@ class Backend {
   virtual void release(void* p) noexcept = 0;
   // Stream-ordered copy from host memory; host_src may be reused once upload returns.
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  // Whether backend memory is host memory the host may write directly (upload is a memcpy).
+  virtual bool host_memory() const { return false; }
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
   virtual void fill_zero(void* p, size_t bytes) = 0;
   // Stream-ordered copy within the backend's memory.
@@ -350,3 +352,7 @@ void set_cuda_library_dirs(const std::vector<std::string>& dirs);
 //     kept, the smallest prefix in descending order whose mass reaches top_p; then those with
 //     p >= min_p * p_max.
 //  7. token = argmax over kept of x[t] - log(-log(uniform01(seed, draw, t))) (Gumbel-max).
+// Any logits give a token in [0, vocab): after steps 2-6 a NaN counts as -inf; where the kept maximum is +inf,
+// top_p keeps the +inf tokens (all the mass) and the lowest id of them wins; where it is -inf, the first kept.
+// A row whose log_softmax is undefined (a NaN or +inf logit, or every logit -inf) has logprob NaN: the caller's
+// sign of non-finite logits (SampleResult::logprobs is never NaN otherwise).

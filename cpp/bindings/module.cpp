@@ -7,6 +7,7 @@
 #include "backend/ops.h"
 #include "dist/comm.h"
 #include "engine/engine.h"
+#include "model/footprint.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -80,7 +81,8 @@ NB_MODULE(_core, m) {
       .def_rw("num_threads", &EngineOptions::num_threads)
       .def_rw("cuda_graphs", &EngineOptions::cuda_graphs)
       .def_rw("comm_timeout_s", &EngineOptions::comm_timeout_s)
-      .def_rw("prefix_caching", &EngineOptions::prefix_caching);
+      .def_rw("prefix_caching", &EngineOptions::prefix_caching)
+      .def_rw("check_weights", &EngineOptions::check_weights);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
       .def(nb::init<>())
@@ -159,6 +161,23 @@ NB_MODULE(_core, m) {
         return d;
       });
 
+  m.def("footprint",
+        [](const ModelConfig& cfg, int ranks, const std::string& weights, const std::string& act,
+           const std::string& kv, bool folds_gains, int max_tokens, int max_seqs, int max_pages_per_seq,
+           int page_size) {
+          FootprintShape s{ranks, parse_dtype(weights), parse_dtype(act), parse_dtype(kv), folds_gains,
+                           max_tokens, max_seqs, max_pages_per_seq, page_size};
+          const Footprint f = footprint(cfg, s);
+          nb::dict d;
+          d["weights"] = f.weights;
+          d["workspace"] = f.workspace;
+          d["rope_position"] = f.rope_position;
+          d["kv_page"] = f.kv_page;
+          d["state_slot"] = f.state_slot;
+          return d;
+        },
+        "config"_a, "ranks"_a, "weights"_a, "act"_a, "kv"_a, "folds_gains"_a, "max_tokens"_a, "max_seqs"_a,
+        "max_pages_per_seq"_a, "page_size"_a, "Bytes one rank allocates (model/footprint.h), for tests.");
   m.def("cuda_device_count", &cuda_device_count, nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_plugin_error", &cuda_plugin_error);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>());

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <pthread.h>
 #include <set>
 #include <thread>
 
@@ -21,6 +23,7 @@
 #include "dist/comm.h"
 #include "engine/scheduler.h"
 #include "kv/kv_cache.h"
+#include "model/footprint.h"
 #include "model/qwen.h"
 
 namespace qrt {
@@ -100,6 +103,10 @@ bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.beg
 // Built at load: the loop may fail for want of memory to build a message.
 const std::string kUnknownFailure = "engine step failed: an unknown error (or no memory left to describe it)";
 
+const std::string kNonFiniteLogits =
+    "non-finite logits (NaN or inf) for this request: its activations overflowed, or the weights hold NaN/inf "
+    "(refused at load unless check_weights=False)";
+
 // Test hook: QWEN_RT_TEST_FAIL_RANK=<r> makes every step of rank r fail before its forward (a failing rank's
 // stand-in, while the others wait in its collectives).
 void test_fail_rank(int r) {
@@ -108,6 +115,14 @@ void test_fail_rank(int r) {
     return e && *e ? std::atoi(e) : -1;
   }();
   QRT_CHECK(r != rank, "rank ", r, " failed (QWEN_RT_TEST_FAIL_RANK)");
+}
+
+// fork()s this process made a child in: 0 in the process that loaded the library, more in a child.
+std::atomic<uint64_t> forks{0};
+uint64_t fork_count() {
+  static const bool registered = pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1); }) == 0;
+  (void)registered;
+  return forks.load();
 }
 
 }  // namespace
@@ -206,6 +221,10 @@ struct Engine::Impl {
   std::unique_ptr<Flight> launched;
 
   void build(const std::vector<TensorSource>& tensors, const Progress& progress);
+  // Before anything is allocated: refuses a model the devices cannot hold (ValueError stating both numbers), and
+  // caps a default max_model_len at the tokens the KV pool could ever hold (the RoPE table and page tables are
+  // sized by it).
+  void fit_memory(bool default_len, DType wdt, DType adt, DType kvdt);
   void release_ranks() noexcept;  // frees every rank's device memory, then the rank threads
   void loop();
   void step();
@@ -267,7 +286,11 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   const DType wdt = parse_dtype(opt.weight_dtype), adt = parse_dtype(opt.act_dtype);
   // Mapped while the ranks load their shards (every upload copies out of them), unmapped when build returns.
   std::unique_ptr<WeightFiles> files;
-  if (!opt.dummy_weights) files = std::make_unique<WeightFiles>(tensors);
+  if (!opt.dummy_weights) {
+    files = std::make_unique<WeightFiles>(tensors, opt.check_weights);
+    // Every tensor, before any is read or anything allocated.
+    for_each_checkpoint_tensor(cfg, [&](const CheckpointTensor& t) { files->check(t.name, t.rows, t.cols); });
+  }
 
   ranks.resize(n);
   for (int r = 1; r < n; ++r) workers.push_back(std::make_unique<RankWorker>());
@@ -280,6 +303,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n), cpu_kv);
   }, kNoLimit);
   const DType kvdt = ranks[0].be->kv_dtype();
+  fit_memory(default_len, wdt, adt, kvdt);
   // Communicators.
   QRT_CHECK_ARG(opt.comm == "auto" || (opt.comm == "nccl" && cuda), "comm must be 'auto', or 'nccl' on CUDA, got '",
                 opt.comm, "'");
@@ -367,6 +391,47 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   snapshot.kv_bytes = bpp * size_t(pages);
   snapshot.state_bytes = state_bytes;
   update_snapshot();
+}
+
+void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt) {
+  const int n = opt.tensor_parallel_size;
+  const bool cuda = opt.device == "cuda";
+  FootprintShape sh;
+  sh.ranks = n;
+  sh.weights = wdt;
+  sh.act = adt;
+  sh.kv = kvdt;
+  sh.folds_gains = ranks[0].be->folds_norm_gains();
+  sh.max_tokens = opt.max_num_batched_tokens;
+  sh.max_seqs = opt.max_batch_size;
+  sh.page_size = opt.page_size;
+  sh.max_pages_per_seq = 0;  // the page table is counted per position below
+  const Footprint f = footprint(cfg, sh);
+  const double sampling = cuda ? double(opt.max_batch_size) * cfg.vocab_size * 4 : 0;  // reserve_sampling
+  const double state = double(opt.max_batch_size + 1) * f.state_slot;  // every slot's and the scratch slot's
+  const double fixed = f.weights + f.workspace + sampling + state;
+  const double per_position = f.rope_position + double(opt.max_batch_size) * 4 / opt.page_size;
+  // Memory free now on the rank with the least; CPU ranks share one memory.
+  double free_b = INFINITY;
+  std::string where;
+  for (auto& rk : ranks) {
+    size_t fr = 0, total = 0;
+    rk.be->memory_info(&fr, &total);
+    if (double(fr) < free_b) free_b = double(fr), where = rk.be->name();
+  }
+  const double sharing = cuda ? 1 : n;  // ranks whose needs come out of that memory
+  const double positions = default_len ? 2 : opt.max_model_len;
+  const double need = fixed + positions * per_position + 2 * f.kv_page;  // one page and the scratch page
+  QRT_CHECK_ARG(need * sharing <= free_b, "the model needs at least ", int64_t(need), " bytes per rank",
+                n > 1 && !cuda ? str_cat(" (", n, " ranks share it)") : std::string(), ": weights ", int64_t(f.weights), ", workspace ",
+                int64_t(f.workspace + sampling), state > 0 ? str_cat(", DeltaNet state ", int64_t(state)) : std::string(), ", RoPE table ", int64_t(positions * per_position), ", KV cache of one ",
+                "page ", int64_t(2 * f.kv_page), "; ", where, " has ", int64_t(free_b), " bytes available");
+  if (!default_len) return;
+  // The most pages the pool could take (build sizes it from what is left after loading: fewer).
+  const double pages = opt.kv_cache_memory > 0 ? double(opt.kv_cache_memory) / f.kv_page
+                                               : (cuda ? opt.gpu_memory_utilization : 0.25 / n) * free_b / f.kv_page;
+  opt.max_model_len = int(std::min<double>(opt.max_model_len, std::floor(pages) * opt.page_size + 1));
+  opt.max_model_len = std::max(opt.max_model_len, 2);
 }
 
 void Engine::Impl::update_snapshot() {
@@ -565,6 +630,10 @@ void Engine::Impl::complete(std::unique_ptr<Flight> f) {
     const int row = ri++;
     Request& q = *s.req;
     if (q.finished) continue;  // cancelled (or failed) while the step ran
+    if (std::isnan(res.logprobs[row])) {  // the sampler's sign of non-finite logits (ops.h): this request only
+      finish(sched->remove(&q), Finish::Error, kNonFiniteLogits);
+      continue;
+    }
     const int32_t tok = res.tokens[row];
     q.output[s.out_index] = tok;
     q.output_counts[tok]++;
@@ -585,7 +654,7 @@ void Engine::Impl::complete(std::unique_ptr<Flight> f) {
 
 Engine::Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors, const EngineOptions& opts,
                const Progress& progress)
-    : impl_(std::make_unique<Impl>()) {
+    : forks_at_birth_(fork_count()), impl_(std::make_unique<Impl>()) {
   impl_->cfg = cfg;
   impl_->opt = opts;
   validate(cfg);
@@ -602,7 +671,14 @@ Engine::Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors,
 
 Engine::~Engine() { close(); }
 
+void Engine::check_process() const {
+  if (fork_count() != forks_at_birth_)
+    throw std::runtime_error("this engine was made in the parent of this fork()ed process, where its threads "
+                             "stayed: make a new Generator in the child (or start it with 'spawn')");
+}
+
 int64_t Engine::submit(const std::vector<int32_t>& prompt, const SamplingOptions& o) {
+  check_process();
   Impl& m = *impl_;
   const int V = m.cfg.vocab_size;
   QRT_CHECK_ARG(!prompt.empty(), "prompt is empty");
@@ -648,6 +724,7 @@ int64_t Engine::submit(const std::vector<int32_t>& prompt, const SamplingOptions
 }
 
 void Engine::cancel(int64_t id) {
+  check_process();
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lk(m.mu);
   if (!m.channels.count(id)) return;  // finished already (or unknown): nothing to do
@@ -666,6 +743,7 @@ void Engine::cancel(int64_t id) {
 }
 
 void Engine::release(int64_t id) {
+  check_process();
   Impl& m = *impl_;
   cancel(id);
   std::lock_guard<std::mutex> lk(m.mu);
@@ -678,6 +756,7 @@ void Engine::release(int64_t id) {
 }
 
 RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
+  check_process();
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lk(m.mu);
   QRT_CHECK_ARG(m.channels.count(id), "unknown or finished request id ", id);
@@ -699,6 +778,7 @@ RequestOutput Engine::wait(int64_t id, double timeout_s, bool until_finished) {
 }
 
 int64_t Engine::wait_any(const std::vector<int64_t>& ids, double timeout_s) {
+  check_process();
   Impl& m = *impl_;
   std::unique_lock<std::mutex> lk(m.mu);
   int64_t ready = -1;
@@ -716,12 +796,17 @@ int64_t Engine::wait_any(const std::vector<int64_t>& ids, double timeout_s) {
 }
 
 EngineStats Engine::stats() const {
+  check_process();
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->snapshot;
 }
 
 void Engine::close() {
   if (!impl_) return;
+  if (fork_count() != forks_at_birth_) {  // a fork()ed child: no thread to join, maybe a lock held for good
+    (void)impl_.release();
+    return;
+  }
   Impl& m = *impl_;
   {
     std::lock_guard<std::mutex> lk(m.mu);

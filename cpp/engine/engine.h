@@ -30,6 +30,7 @@ struct EngineOptions {
   bool cuda_graphs = true;
   double comm_timeout_s = 120.0;
   bool prefix_caching = true;      // requests reuse the cached K/V pages of a prefix they share (scheduler.h)
+  bool check_weights = true;       // refuse checkpoint tensors holding NaN or inf (ValueError naming the tensor)
 };
 
 struct EngineStats {
@@ -66,10 +67,14 @@ class Engine {
   int64_t wait_any(const std::vector<int64_t>& ids, double timeout_s);
   EngineStats stats() const;
   // Stops the loop, finishes pending requests as cancelled, frees every device byte. Idempotent.
+  // In a fork()ed child of the process that made the engine (its threads are not there, its locks may be held
+  // for good) close() leaks it, and every other call throws std::runtime_error saying so.
   void close();
 
  private:
   struct Impl;
+  void check_process() const;
+  uint64_t forks_at_birth_;  // fork_count() when made
   std::unique_ptr<Impl> impl_;
 };
 

@@ -35,6 +35,9 @@ void validate(const ModelConfig& c) {
     QRT_CHECK_ARG(c.linear_conv_kernel >= 2 && c.linear_conv_kernel <= 8, "config: linear_conv_kernel_dim ",
                   c.linear_conv_kernel, " is not supported (2 to 8)");
   }
+  const int64_t int_max = 0x7fffffff;  // the rows and columns below are int
+  QRT_CHECK_ARG(int64_t(c.num_q_heads) * c.head_dim <= int_max && 2 * int64_t(c.intermediate_size) <= int_max,
+                "config: num_attention_heads x head_dim and 2 x intermediate_size must be below 2^31");
 }
 
 QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const WeightSpec& ws, const Limits& lim,

@@ -1,4 +1,8 @@
-"""From a Hugging Face config.json to the native ModelConfig: architecture, shapes, RoPE."""
+"""From a Hugging Face config.json to the native ModelConfig: architecture, shapes, RoPE.
+
+This is the one layer that checks config values: every value read goes through config_int / config_number /
+config_bool (or _rope_parameters' checks), so a bad one is a ValueError naming its key, before anything divides
+by it or hands it to the engine's int32 fields."""
 from __future__ import annotations
 
 import math
@@ -7,6 +11,9 @@ import numpy as np
 
 from . import _core
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the engine keeps config numbers as float32
+MAX_HEAD_DIM = 4096
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
@@ -19,15 +26,17 @@ def architecture(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json's architectures must be a list of names, got {archs!r}"[:300])
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
     if archs:
         raise ValueError(f"unsupported model architecture {archs[0]!r} (supported: {', '.join(ARCHITECTURES)})")
     mt = cfg.get("model_type")
-    if mt in MODEL_TYPES:
+    if isinstance(mt, str) and mt in MODEL_TYPES:
         return MODEL_TYPES[mt]
-    raise ValueError(f"unsupported model type {mt!r} (supported: {', '.join(ARCHITECTURES)})")
+    raise ValueError(f"unsupported model type {mt!r} (supported: {', '.join(ARCHITECTURES)})"[:300])
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -40,15 +49,23 @@ def _rope_parameters(cfg: dict) -> dict:
             raise ValueError(f"config.json's {key} must be an object, got {type(v).__name__}")
     p = dict(scaling or params or {})
     p.setdefault("rope_type", p.get("type", "default"))
+    if not isinstance(p["rope_type"], str):
+        raise ValueError(f"config.json's rope type must be a string, got {p['rope_type']!r}"[:300])
     if p.get("rope_theta") is None:
         p["rope_theta"] = next((t for t in (cfg.get("rope_theta"), (params or {}).get("rope_theta")) if t is not None),
                                10000.0)
+    # Every number the RoPE kinds read: positive and finite (a yarn factor of 0, -1 or NaN made NaN logits).
+    for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if p.get(key) is not None:
+            _number("rope_scaling's ", key, p[key])
+    if p.get("original_max_position_embeddings") is not None:
+        config_int(p, "original_max_position_embeddings", where="rope_scaling's ")
     return p
 
 
 def _number(where: str, key: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"config.json's {where}{key} must be a positive number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= FLOAT32_MAX:  # (NaN fails too)
+        raise ValueError(f"config.json's {where}{key} must be a positive number, got {v!r}"[:300])
     return float(v)
 
 
@@ -65,6 +82,28 @@ def rotary_dim(cfg: dict, arch: str, head_dim: int) -> int:
     return dim
 
 
+def config_int(cfg: dict, key: str, default=None, lo: int = 1, hi: int = INT32_MAX, where: str = "") -> int:
+    """cfg[key] (default when absent or null) as an int in [lo, hi]: an integer (not a bool, a fraction or a
+    string), or ValueError naming the key."""
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise ValueError(f"config.json lacks {where}{key!r}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"config.json's {where}{key} must be an integer in [{lo}, {hi}], got {v!r}"[:300])
+    return v
+
+
+def config_bool(cfg: dict, key: str, default: bool) -> bool:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"config.json's {key} must be true or false, got {v!r}"[:300])
+    return v
+
+
 def rope_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies of the dim rotated dimensions (float32, computed as transformers does) and the
     attention factor."""
@@ -79,8 +118,8 @@ def rope_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
         return (inv / np.float32(_number("rope_scaling's ", "factor", p.get("factor")))).astype(np.float32), 1.0
     if kind != "yarn":
         raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, yarn)")
-    max_pos = cfg["max_position_embeddings"]
-    orig = p.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    max_pos = config_int(cfg, "max_position_embeddings")
+    orig = p.get("original_max_position_embeddings") or config_int(cfg, "original_max_position_embeddings", max_pos)
     factor = p.get("factor")
     if factor is None:
         factor = max_pos / orig
@@ -123,7 +162,9 @@ def context_limit(cfg: dict, max_pos: int) -> int:
     p = _rope_parameters(cfg)
     if p["rope_type"] != "yarn" or not p.get("factor"):
         return max_pos
-    orig = p.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    orig = p.get("original_max_position_embeddings") or config_int(cfg, "original_max_position_embeddings", max_pos)
+    if orig * float(p["factor"]) > INT32_MAX:
+        raise ValueError(f"rope_scaling's factor {p['factor']} x {orig} positions exceeds {INT32_MAX}")
     return max(max_pos, int(orig * float(p["factor"])))
 
 
@@ -131,13 +172,15 @@ def _check_full_attention(cfg: dict, context: int) -> None:
     """Every layer attends to all keys here: a config whose layers use a window shorter than the context is
     refused rather than run differently (official Qwen2/Qwen3 configs set use_sliding_window false)."""
     # Absent keys take transformers' Qwen2/Qwen3 defaults (sliding_window 4096, max_window_layers 28).
-    window = cfg["sliding_window"] if "sliding_window" in cfg else 4096
+    window = config_int(cfg, "sliding_window", 0, lo=0, hi=2**63 - 1) if "sliding_window" in cfg else 4096
     if cfg.get("layer_types") is not None:
+        if not isinstance(cfg["layer_types"], list):
+            raise ValueError(f"config.json's layer_types must be a list, got {cfg['layer_types']!r}"[:300])
         sliding = "sliding_attention" in cfg["layer_types"]
     else:  # Qwen2's rule: with use_sliding_window, layers from max_window_layers on use the window
-        first = cfg["max_window_layers"] if cfg.get("max_window_layers") is not None else 28
-        sliding = bool(cfg.get("use_sliding_window")) and first < cfg.get("num_hidden_layers", 0)
-    if sliding and window is not None and int(window) < context:
+        first = config_int(cfg, "max_window_layers", 28, lo=0)
+        sliding = config_bool(cfg, "use_sliding_window", False) and first < config_int(cfg, "num_hidden_layers")
+    if sliding and window and window < context:
         raise ValueError(f"sliding-window attention (window {window}, use_sliding_window / layer_types) is not "
                          "supported")
 
@@ -148,40 +191,42 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     c = _core.ModelConfig()
     c.arch = arch
 
-    def need(key):
-        if key not in cfg or cfg[key] is None:
-            raise ValueError(f"config.json lacks {key!r}")
-        return cfg[key]
-
     q = cfg.get("quantization_config")
     if q:
         method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
         raise ValueError(f"quantized checkpoints (quant_method {method!r}) are not supported yet: use the model's "
-                         "bf16/fp16 release")
-    c.vocab_size = int(need("vocab_size"))
-    c.hidden_size = int(need("hidden_size"))
-    c.num_layers = int(need("num_hidden_layers"))
-    c.num_q_heads = int(need("num_attention_heads"))
+                         "bf16/fp16 release"[:300])
+    c.vocab_size = config_int(cfg, "vocab_size")
+    c.hidden_size = config_int(cfg, "hidden_size")
+    c.num_layers = config_int(cfg, "num_hidden_layers")
+    c.num_q_heads = config_int(cfg, "num_attention_heads")
     # As transformers' Qwen2/Qwen3 configs: an absent key is their default (32), a null one means one per q head.
-    kv = cfg.get("num_key_value_heads", 32)
-    c.num_kv_heads = int(c.num_q_heads if kv is None else kv)
+    c.num_kv_heads = config_int(cfg, "num_key_value_heads", 32 if "num_key_value_heads" not in cfg else c.num_q_heads)
     # transformers' Qwen3Config defaults head_dim to 128, Qwen3.5's to 256; Qwen2's is hidden_size / heads.
     default_head_dim = {"qwen3": 128, "qwen3_5": 256}.get(arch, c.hidden_size // c.num_q_heads)
-    c.head_dim = int(cfg.get("head_dim") or default_head_dim)
-    c.intermediate_size = int(need("intermediate_size"))
+    c.head_dim = config_int(cfg, "head_dim", default_head_dim, hi=MAX_HEAD_DIM)
+    if c.head_dim < 2 or c.head_dim % 2:
+        raise ValueError(f"head_dim must be even and at least 2 (config.json's head_dim, or hidden_size / "
+                         f"num_attention_heads), got {c.head_dim}")
+    c.intermediate_size = config_int(cfg, "intermediate_size")
+    for name, n in (("num_attention_heads x head_dim", c.num_q_heads * c.head_dim),
+                    ("num_key_value_heads x head_dim", c.num_kv_heads * c.head_dim),
+                    ("2 x intermediate_size", 2 * c.intermediate_size)):
+        if n > INT32_MAX:  # the engine's int32 row counts
+            raise ValueError(f"config.json's {name} is {n}, more than {INT32_MAX}")
     eps = cfg.get("rms_norm_eps")
     c.rms_eps = 1e-6 if eps is None else _number("", "rms_norm_eps", eps)
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
-    if arch in ("qwen3", "qwen3_5") and cfg.get("attention_bias"):
+    if arch in ("qwen3", "qwen3_5") and config_bool(cfg, "attention_bias", False):
         raise ValueError("attention_bias on a Qwen3 model (biases on q/k/v and o_proj) is not supported")
-    c.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
+    c.tie_embeddings = config_bool(cfg, "tie_word_embeddings", False)
     c.attn_bias = arch == "qwen2"  # Qwen2: q/k/v biases (o_proj has none)
     c.qk_norm = arch in ("qwen3", "qwen3_5")
     if arch == "qwen3_5":
         _hybrid_fields(cfg, c)
-    c.max_position_embeddings = context_limit(cfg, int(need("max_position_embeddings")))
+    c.max_position_embeddings = context_limit(cfg, config_int(cfg, "max_position_embeddings"))
     _check_full_attention(cfg, c.max_position_embeddings)
     inv, af = rope_inv_freq(cfg, rotary_dim(cfg, arch, c.head_dim))
     c.rope_inv_freq = [float(x) for x in inv]
@@ -197,9 +242,7 @@ def _hybrid_fields(cfg: dict, c: "_core.ModelConfig") -> None:
     c.attn_output_gate = True
     types = cfg.get("layer_types")
     if types is None:
-        interval = cfg.get("full_attention_interval", 4)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"config.json's full_attention_interval must be a positive integer, got {interval!r}")
+        interval = config_int(cfg, "full_attention_interval", 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(c.num_layers)]
     if not isinstance(types, list) or len(types) != c.num_layers or not all(isinstance(t, str) for t in types):
         raise ValueError(f"config.json's layer_types must list a type for each of the {c.num_layers} layers")
@@ -212,7 +255,4 @@ def _hybrid_fields(cfg: dict, c: "_core.ModelConfig") -> None:
                                 ("linear_k_dim", "linear_key_head_dim", 128),
                                 ("linear_v_dim", "linear_value_head_dim", 128),
                                 ("linear_conv_kernel", "linear_conv_kernel_dim", 4)):
-        v = cfg.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"config.json's {key} must be a positive integer, got {v!r}")
-        setattr(c, field, v)
+        setattr(c, field, config_int(cfg, key, default, hi=MAX_HEAD_DIM if key.endswith("dim") else INT32_MAX))

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import numbers
 import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -25,6 +28,38 @@ class GeneratorClosed(RuntimeError):
 
 MAX_LOGPROBS = 20  # the default bound on a request's top logprobs (vLLM's too)
 _POLL_S = 0.2  # wait slice: short enough for Ctrl-C to be seen
+MAX_THREADS = 1024  # num_threads' bound (a thread per core; more only slows the CPU backend)
+
+# Every open Generator, and how many threads are inside one of their native calls (the GIL released).
+_open_generators: "weakref.WeakSet[Generator]" = weakref.WeakSet()
+_native_calls_lock = threading.RLock()  # reentrant: a Request.__del__ (GC) may run inside it
+_native_calls = 0
+
+
+def _after_fork_in_child() -> None:
+    """The child has none of the parent's threads: none is inside a native call, none holds the counter's lock."""
+    global _native_calls_lock, _native_calls
+    _native_calls_lock = threading.RLock()
+    _native_calls = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Before the interpreter finalizes: a daemon thread still inside a native wait would be ended there when it
+    takes the GIL back, which aborts the process. Every Generator is closed (their waits return), then the exit
+    waits, 10 s at most, until no thread is inside a native call."""
+    for g in list(_open_generators):
+        try:
+            g.close()
+        except Exception:
+            pass
+    deadline = time.monotonic() + 10.0
+    while _native_calls and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _parse_device(device) -> tuple[str, int]:
@@ -254,12 +289,10 @@ class Request:
     def __del__(self):
         # Dropped unfinished (no result(), no cancel()): the engine stops it and keeps none of its output.
         if getattr(self, "finish_reason", "") is None:
-            engine = getattr(self._gen, "_engine", None)
-            if engine is not None:
-                try:
-                    engine.release(self._rid)
-                except Exception:
-                    pass
+            try:
+                self._gen._engine_call("release", self._rid)
+            except Exception:  # the Generator is closed (or was made before a fork)
+                pass
 
 
 class Generator:
@@ -275,7 +308,7 @@ class Generator:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
-                 enable_prefix_caching: bool = True, progress: bool = True):
+                 enable_prefix_caching: bool = True, progress: bool = True, check_weights: bool = True):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -291,7 +324,7 @@ class Generator:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-            hi = 2**64 - 1 if name == "seed" else INT32_MAX  # the engine's uint64 / int32
+            hi = 2**64 - 1 if name == "seed" else MAX_THREADS if name == "num_threads" else INT32_MAX
             if v > hi:
                 raise ValueError(f"{name} must be <= {hi}, got {v}")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
@@ -307,7 +340,7 @@ class Generator:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         for name, v in (("cuda_graphs", cuda_graphs), ("enable_prefix_caching", enable_prefix_caching),
-                        ("progress", progress)):
+                        ("progress", progress), ("check_weights", check_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if load_format not in ("auto", "dummy"):
@@ -337,6 +370,11 @@ class Generator:
             self._no_tokenizer = ("this model has no tokenizer.json (vocab.json and merges.txt alone are not read: "
                                   "transformers' save_pretrained of its tokenizer writes tokenizer.json)")
         wdt, adt = _resolve_dtypes(dev, dtype, _stored_dtype(files.tensors, config_dtype(self.config)))
+        self.vocab_size = ncfg.vocab_size
+        # Top logprobs a request may ask for: each one costs a pass over the vocabulary and host memory per row.
+        self.max_logprobs = max_logprobs
+        self._defaults = self._sampling_defaults()
+        self._eos = self._eos_ids()
 
         opts = _core.EngineOptions()
         opts.device = dev
@@ -357,6 +395,7 @@ class Generator:
         opts.comm = comm
         opts.comm_timeout_s = float(comm_timeout)
         opts.prefix_caching = enable_prefix_caching
+        opts.check_weights = check_weights
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]
@@ -365,23 +404,21 @@ class Generator:
             self._engine = _core.Engine(ncfg, tensors, opts, bar)
         finally:
             bar.close()
+        _open_generators.add(self)
         self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
         self.dtype = adt
         self.weight_dtype = wdt
-        self.vocab_size = ncfg.vocab_size
-        # Top logprobs a request may ask for: each one costs a pass over the vocabulary and host memory per row.
-        self.max_logprobs = max_logprobs
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds
         # every token of a request but its last). An unset max_tokens stops there.
         self._longest = min(self.max_model_len, st["total_pages"] * st["page_size"] + 1)
-        self._defaults = self._sampling_defaults()
-        self._eos = self._eos_ids()
 
     # -- setup helpers -----------------------------------------------------------------------------
 
     def _sampling_defaults(self) -> dict:
+        """generation_config.json's sampling defaults, each checked (ValueError naming the key), so a bad one fails
+        the load rather than every request."""
         g = self.generation_config
         d = {}
         for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
@@ -391,25 +428,43 @@ class Generator:
             d["temperature"] = 0.0
         if g.get("max_new_tokens") is not None:
             d["max_tokens"] = g["max_new_tokens"]
+        try:
+            SamplingParams().resolved(d).validate(self.vocab_size, self.max_logprobs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config.json: {e}") from None
         return d
 
     def _eos_ids(self) -> list[int]:
-        for src in (self.generation_config.get("eos_token_id"), self.config.get("eos_token_id")):
+        """generation_config.json's eos_token_id, else config.json's, else the tokenizer's (each file's checked)."""
+        found = []
+        for where, src in (("generation_config.json", self.generation_config.get("eos_token_id")),
+                           ("config.json", self.config.get("eos_token_id"))):
             if src is not None:
-                ids = [src] if isinstance(src, int) else list(src)
-                return [i for i in ids if 0 <= i < self.vocab_size]
+                ids = [src] if is_int(src) else src
+                if not isinstance(ids, list) or not all(is_int(i) for i in ids):
+                    raise ValueError(f"{where}'s eos_token_id must be an integer or a list of integers, "
+                                     f"got {src!r}"[:300])
+                found.append([int(i) for i in ids if 0 <= i < self.vocab_size])
+        if found:
+            return found[0]
         return list(self.tokenizer.eos_token_ids) if self.tokenizer else []
 
     def _engine_call(self, name, *args):
-        engine = self._engine  # read once: close() from another thread may clear it
-        if engine is None:
-            raise GeneratorClosed("the Generator is closed")
+        global _native_calls
+        with _native_calls_lock:  # counted from before the handle is read: the exit waits for the call's end
+            engine = self._engine  # read once: close() from another thread may clear it
+            if engine is None:
+                raise GeneratorClosed("the Generator is closed")
+            _native_calls += 1
         try:
             return getattr(engine, name)(*args)
         except RuntimeError as e:
             if self._engine is None:  # close() cleared the handle while the call ran
                 raise GeneratorClosed("the Generator is closed") from e
             raise
+        finally:
+            with _native_calls_lock:
+                _native_calls -= 1
 
     # -- request building --------------------------------------------------------------------------
 

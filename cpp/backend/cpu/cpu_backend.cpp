@@ -112,6 +112,7 @@ class CpuBackend final : public Backend {
     std::free(p);
   }
   void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  bool host_memory() const override { return true; }
   void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void fill_zero(void* p, size_t n) override { std::memset(p, 0, n); }
   void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }

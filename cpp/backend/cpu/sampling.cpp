@@ -56,14 +56,16 @@ RowStats row_stats(const float* raw, int64_t V) {
 
 void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int32_t* tok_out,
                 float* lp_out, int32_t* top_ids, float* top_lps) {
-  // 1. raw logprobs
+  // 1. raw logprobs (undefined, NaN, when the row holds a NaN or +inf, or only -inf: ops.h)
   const RowStats st = row_stats(raw, V);
   const float lse = st.lse;
+  const bool defined = std::isfinite(lse);
   if (max_n > 0 && p.num_logprobs > 0) {
     const int n = std::min<int64_t>(p.num_logprobs, V);
     std::vector<int32_t> idx(V);
     std::iota(idx.begin(), idx.end(), 0);
-    auto better = [&](int32_t a, int32_t b) { return raw[a] > raw[b] || (raw[a] == raw[b] && a < b); };
+    auto val = [&](int32_t i) { return std::isnan(raw[i]) ? -INFINITY : raw[i]; };  // a strict weak order
+    auto better = [&](int32_t a, int32_t b) { return val(a) > val(b) || (val(a) == val(b) && a < b); };
     std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), better);
     for (int i = 0; i < max_n; ++i) {
       top_ids[i] = i < n ? idx[i] : -1;
@@ -74,7 +76,7 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
                      p.frequency_penalty == 0.0f;
   if (plain && p.temperature == 0.0f) {  // greedy on the raw logits: the first maximum
     *tok_out = st.argmax;
-    *lp_out = raw[st.argmax] - lse;
+    *lp_out = defined ? raw[st.argmax] - lse : NAN;
     return;
   }
   // 2-4. banned tokens and penalties
@@ -90,13 +92,17 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
       if (t >= 0 && t < V) x[t] -= float(p.output_counts[i]) * p.frequency_penalty + p.presence_penalty;
     }
   int32_t tok = 0;
+  if (p.temperature != 0.0f) {
+    const float inv_t = 1.0f / p.temperature;
+    for (auto& v : x) v *= inv_t;
+  }
+  for (auto& v : x)  // NaN (a NaN logit, or inf - inf from a penalty) is never chosen
+    if (std::isnan(v)) v = -INFINITY;
   if (p.temperature == 0.0f) {  // 5. greedy
     for (int64_t i = 1; i < V; ++i)
       if (x[i] > x[tok]) tok = int32_t(i);
   } else {
-    // 6. temperature, top_k, top_p, min_p
-    const float inv_t = 1.0f / p.temperature;
-    for (auto& v : x) v *= inv_t;
+    // 6. top_k, top_p, min_p (the temperature is applied above)
     std::vector<int32_t> kept;
     if (p.top_k > 0 && p.top_k < V) {
       std::vector<float> tmp(x);
@@ -111,15 +117,21 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
     if (p.top_p < 1.0f) {
       std::sort(kept.begin(), kept.end(),
                 [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
-      const float kmx = x[kept[0]];
-      double z = 0.0;
-      for (int32_t t : kept) z += std::exp(double(x[t] - kmx));
-      double cum = 0.0;
+      const float kmx = x[kept[0]];  // kept holds top_k >= 1 tokens, or all
       size_t n = 0;
-      while (n < kept.size()) {
-        cum += std::exp(double(x[kept[n]] - kmx)) / z;
-        ++n;
-        if (cum >= p.top_p) break;
+      if (kmx == INFINITY) {  // the +inf values hold all the mass
+        while (n < kept.size() && x[kept[n]] == INFINITY) ++n;
+      } else if (kmx == -INFINITY) {  // no mass at all: every kept token stays (the draw takes the first)
+        n = kept.size();
+      } else {
+        double z = 0.0;
+        for (int32_t t : kept) z += std::exp(double(x[t] - kmx));
+        double cum = 0.0;
+        while (n < kept.size()) {
+          cum += std::exp(double(x[kept[n]] - kmx)) / z;
+          ++n;
+          if (cum >= p.top_p) break;
+        }
       }
       kept.resize(n);
     }
@@ -137,7 +149,7 @@ void sample_row(const float* raw, int64_t V, const SampleRow& p, int max_n, int3
     if (tok < 0) tok = kept.empty() ? 0 : kept[0];
   }
   *tok_out = tok;
-  *lp_out = raw[tok] - lse;
+  *lp_out = defined ? raw[tok] - lse : NAN;
 }
 
 }  // namespace

@@ -71,6 +71,9 @@ __device__ Cand block_best(Cand c) {
   return r;
 }
 
+// NaN counts as -inf once penalties and temperature are applied (ops.h): no draw picks it.
+__device__ __forceinline__ float nan_to_neg_inf(float v) { return isnan(v) ? -INFINITY : v; }
+
 // Order-preserving key of a float (larger float, larger key); -0 and +0 share a key.
 __device__ __forceinline__ uint32_t fkey(float f) {
   if (f == 0.0f) f = 0.0f;
@@ -199,7 +202,8 @@ __device__ int draw_from_candidates(X xv, int V, float tmax, float kmx, const Sa
   int m = 0;
   for (int j = tid; j < n; j += kThreads) m += fkey(cl.v[j]) >= kth;
   m = block_reduce(m, SumI{});
-  if (p.top_p < 1.0f) {  // the smallest prefix whose mass reaches top_p, summed in order
+  if (p.top_p < 1.0f && isfinite(kmx)) {  // the smallest prefix whose mass reaches top_p, summed in order
+    // (kmx +inf: no cut, the +inf tokens win the draw as the CPU's cut to them; -inf: none has mass)
     for (int j = tid; j < m; j += kThreads) cl.e[j] = exp(double(cl.v[j] - kmx));
     __syncthreads();
     if (tid == 0) {
@@ -282,7 +286,9 @@ __device__ int draw_full(X xv, int V, float kmx, const SampleParamsDev& p) {
   // top_p: the smallest prefix (value desc, id asc) of the kept whose mass reaches top_p.
   uint32_t cut_key = 0;  // kept: key > cut_key, or key == cut_key and id <= cut_id
   int cut_id = V;
-  if (p.top_p < 1.0f && kmx != -INFINITY) {
+  if (p.top_p < 1.0f && kmx == INFINITY) {  // the +inf values hold all the mass
+    cut_key = fkey(INFINITY);
+  } else if (p.top_p < 1.0f && kmx != -INFINITY) {
     double z = 0.0;
     for (int i = tid; i < V; i += kThreads) {
       const float v = xv(i);
@@ -435,7 +441,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     if (p.inv_temperature == 0.0f) {  // 5. greedy
       Cand c{0.f, -1};
       for (int i = tid; i < V; i += kThreads) {
-        const Cand y{src[i], i};
+        const Cand y{nan_to_neg_inf(src[i]), i};
         if (better(y, c)) c = y;
       }
       c = block_best(c);
@@ -443,21 +449,22 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     } else {
       // 6. temperature, applied where a value is read; then top_k / top_p / min_p and 7. the draw.
       const float inv_t = p.inv_temperature;
-      auto xv = [=](int i) { return __fmul_rn(src[i], inv_t); };  // rounded, never fused: the CPU's x / t
+      // Rounded, never fused: the CPU's x / t.
+      auto xv = [=](int i) { return nan_to_neg_inf(__fmul_rn(src[i], inv_t)); };
       float tmax = -INFINITY;
       for (int i = tid; i < V; i += kThreads) tmax = fmaxf(tmax, xv(i));
       const float kmx = block_reduce(tmax, MaxOp{});  // the maximum is always kept
       __shared__ CandList cl;
       tok = -1;
       if (p.top_k > 0 && p.top_k < V && p.top_k <= kThreads) tok = draw_from_candidates(xv, V, tmax, kmx, p, cl);
-      if (tok < 0 && (p.top_k <= 0 || p.top_k >= V) && p.top_p < 1.0f && kmx != -INFINITY)
+      if (tok < 0 && (p.top_k <= 0 || p.top_k >= V) && p.top_p < 1.0f && isfinite(kmx))
         tok = draw_top_p(xv, V, kmx, p);
       if (tok < 0) tok = draw_full(xv, V, kmx, p);
     }
   }
   if (tid == 0) {
     tok_out[r] = tok;
-    lp_out[r] = raw[tok] - lse;
+    lp_out[r] = isfinite(lse) ? raw[tok] - lse : NAN;  // NaN: the row's log_softmax is undefined (ops.h)
   }
 }
 

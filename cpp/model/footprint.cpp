@@ -1,0 +1,97 @@
+// Checkpoint tensors and per-rank bytes of a Qwen model, dense or hybrid (mirrors QwenModel's load and buffers;
+// tests compare weights with QwenModel::weight_bytes()).
+#include "model/footprint.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kv/state_cache.h"
+#include "model/layers.h"
+
+namespace qrt {
+
+void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(const CheckpointTensor&)>& fn) {
+  const std::string& pre = c.weight_prefix;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size, V = c.vocab_size;
+  const int64_t qn = int64_t(c.num_q_heads) * D, kn = int64_t(c.num_kv_heads) * D;
+  const int64_t conv = 2 * int64_t(c.linear_k_heads) * c.linear_k_dim + int64_t(c.linear_v_heads) * c.linear_v_dim;
+  const int64_t Hv = c.linear_v_heads, vn = Hv * c.linear_v_dim;
+  fn({pre + "embed_tokens.weight", V, H});
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = pre + "layers." + std::to_string(l) + ".";
+    fn({p + "input_layernorm.weight", 1, H});
+    fn({p + "post_attention_layernorm.weight", 1, H});
+    if (c.is_delta_net(l)) {
+      const std::string a = p + "linear_attn.";
+      fn({a + "in_proj_qkv.weight", conv, H});
+      fn({a + "in_proj_z.weight", vn, H});
+      fn({a + "in_proj_b.weight", Hv, H});
+      fn({a + "in_proj_a.weight", Hv, H});
+      fn({a + "conv1d.weight", conv, c.linear_conv_kernel});
+      fn({a + "A_log", 1, Hv});
+      fn({a + "dt_bias", 1, Hv});
+      fn({a + "norm.weight", 1, c.linear_v_dim});
+      fn({a + "out_proj.weight", H, vn});
+    } else {
+      fn({p + "self_attn.q_proj.weight", qn * (c.attn_output_gate ? 2 : 1), H});
+      fn({p + "self_attn.k_proj.weight", kn, H});
+      fn({p + "self_attn.v_proj.weight", kn, H});
+      if (c.attn_bias) {
+        fn({p + "self_attn.q_proj.bias", 1, qn});
+        fn({p + "self_attn.k_proj.bias", 1, kn});
+        fn({p + "self_attn.v_proj.bias", 1, kn});
+      }
+      if (c.qk_norm) {
+        fn({p + "self_attn.q_norm.weight", 1, D});
+        fn({p + "self_attn.k_norm.weight", 1, D});
+      }
+      fn({p + "self_attn.o_proj.weight", H, qn});
+    }
+    fn({p + "mlp.gate_proj.weight", I, H});
+    fn({p + "mlp.up_proj.weight", I, H});
+    fn({p + "mlp.down_proj.weight", H, I});
+  }
+  fn({pre + "norm.weight", 1, H});
+  if (!c.tie_embeddings) fn({"lm_head.weight", V, H});
+}
+
+Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
+  const int nr = std::max(1, s.ranks);
+  const Shard sh(c, 0, nr);  // every rank's share is the same size
+  const double n = nr, H = c.hidden_size, D = c.head_dim;
+  const double ws = double(dtype_size(s.weights)), as = double(dtype_size(s.act)), f32 = 4;
+  const double vocab_pad = std::ceil(double(c.vocab_size) / n);
+  const double qn = double(sh.q_heads) * D, kn = double(sh.kv_heads) * D, inter = sh.inter;
+  const bool folded = s.folds_gains && s.weights == s.act && (s.weights == DType::BF16 || s.weights == DType::F16);
+  const DeltaNetShape& d = sh.delta;
+  const double attn_proj = c.num_attention_layers() ? double(AttentionLayer::proj_cols(c, sh)) : 0;
+  const double delta_proj = c.num_delta_net_layers() ? double(DeltaNetLayer::proj_cols(sh)) : 0;
+  Footprint f;
+  // Weights (QwenModel::load_weights, model/layers.cpp).
+  double attention = attn_proj * H * ws + H * qn * ws;  // q|k|v(|gate), o
+  if (c.attn_bias) attention += (qn + 2 * kn) * f32;
+  if (c.qk_norm) attention += 2 * D * f32;
+  const double delta = delta_proj * H * ws + double(d.conv_cols()) * d.conv_kernel * as  // in_proj, conv
+                       + (2.0 * d.v_heads + d.v_dim) * f32 + H * double(d.v_cols()) * ws;  // A_log, dt_bias, norm; out
+  const double mlp = 3 * inter * H * ws + (folded ? 0 : 2 * H * f32);  // gate|up, down; the two norm gains
+  f.weights = vocab_pad * H * ws + c.num_attention_layers() * attention + c.num_delta_net_layers() * delta +
+              c.num_layers * mlp;
+  if (!c.tie_embeddings) f.weights += vocab_pad * H * ws;
+  // The final norm's gain: its own unless folded into the LM head; folding keeps a unit gain and a staging gain.
+  f.weights += (folded && !c.tie_embeddings ? 0 : H * f32) + (folded ? 2 * H * f32 : 0);
+  // Workspace (QwenModel's constructor).
+  const double T = s.max_tokens, S = s.max_seqs;
+  double rows = 2 * H + 3 * inter;  // residual, norm output, gate|up, act
+  if (c.num_attention_layers()) rows += attn_proj + qn;
+  if (c.num_delta_net_layers()) rows += delta_proj + double(d.conv_cols()) + double(d.v_cols());
+  f.workspace = (4 * std::max(T, S) + (S + 1) + 2 * S + S * double(s.max_pages_per_seq) + S) * 4  // metadata
+                + T * rows * as + 2 * S * H * as                                                // activations
+                + S * n * vocab_pad * f32 + (nr > 1 ? n * S * vocab_pad * f32 : 0);            // logits
+  f.rope_position = double(c.rot_dim()) * f32;
+  f.kv_page = c.num_attention_layers() * 2 * double(s.page_size) * kn * double(dtype_size(s.kv));
+  if (c.num_delta_net_layers())
+    f.state_slot = double(StateCache::bytes_per_slot(c.num_delta_net_layers(), d, s.act));
+  return f;
+}
+
+}  // namespace qrt
