@@ -94,6 +94,12 @@ std::vector<uint64_t> prefix_hashes(const std::vector<int32_t>& tokens) {
   return h;
 }
 
+// A slot's (or a snapshot's) recurrent state: that after `pos` tokens of the context hashed as `context`.
+struct StateTag {
+  int pos = -1;
+  uint64_t context = 0;
+};
+
 struct Flight {
   Plan plan;
   bool needs_tokens = false;
@@ -107,6 +113,7 @@ struct Sim {
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<Flight> launched;
   std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page)
+  std::vector<StateTag> slot_state, snapshot_state;  // state models: each slot's and each snapshot's state
   std::vector<int32_t> device_sampled;  // the last step's sampled tokens, as token_src reads them
   std::map<int64_t, std::vector<int32_t>> prompts, published;
   std::map<int64_t, std::vector<uint64_t>> contexts;  // prefix hashes of each request's prompt and expected output
@@ -114,7 +121,7 @@ struct Sim {
   std::map<int64_t, Finish> ended;
   std::set<int64_t> penalized, admitted;
   std::vector<int64_t> admission_order;
-  int64_t cached_tokens = 0, shared_reads = 0;
+  int64_t cached_tokens = 0, shared_reads = 0, state_restores = 0;
 
   void finish(std::unique_ptr<Request> r, Finish f) {
     if (ended.count(r->id)) FAIL("request %lld ended twice", (long long)r->id);
@@ -161,6 +168,31 @@ struct Sim {
     if (tag.id != r.id) shared_reads++;
   }
 
+  // State models, in the engine's order: the restores of the step's hits, the step (a sequence starts from zeros at
+  // position 0, else from its slot's state, which must be that after its own tokens before the chunk), the
+  // snapshots at page boundaries.
+  void run_state(const Plan& p) {
+    const int ps = opt.page_size;
+    for (const auto& q : p.seqs)
+      if (q.restore >= 0) {
+        slot_state[size_t(q.req->slot)] = snapshot_state.at(size_t(q.restore));
+        state_restores++;
+      }
+    for (const auto& q : p.seqs) {
+      const auto& h = contexts[q.req->id];
+      StateTag& st = slot_state[size_t(q.req->slot)];
+      if (q.first > 0 && (st.pos != q.first || st.context != h[size_t(q.first - 1)]))
+        FAIL("request %lld resumes at position %d from a state after %d tokens of another context", (long long)q.req->id,
+             q.first, st.pos);
+      st = StateTag{q.first + q.count, h[size_t(q.first + q.count - 1)]};
+    }
+    for (const auto& q : p.seqs)
+      if (q.snapshot >= 0) {
+        if ((q.first + q.count) % ps) FAIL("a snapshot after %d tokens, not at a page boundary", q.first + q.count);
+        snapshot_state.at(size_t(q.snapshot)) = slot_state[size_t(q.req->slot)];
+      }
+  }
+
   std::vector<int32_t> run_on_device(const Plan& p) {
     const StepInput& in = p.input;
     const int ps = opt.page_size;
@@ -187,6 +219,7 @@ struct Sim {
         written.insert(row);
       }
     }
+    if (opt.has_state) run_state(p);
     // Every sequence's attention reads the rows before its chunk: none of them may be one this step writes (the
     // kernels do not order one sequence's K/V writes before another's reads).
     for (size_t s = 0; s < p.seqs.size(); ++s)
@@ -265,7 +298,7 @@ struct Sim {
 };
 
 struct Totals {
-  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0;
+  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0;
 };
 
 // One random configuration and workload; adds its counts to t.
@@ -281,6 +314,10 @@ void run_seed(uint64_t seed, Totals& t) {
   sim.opt.max_model_len = U(2, capacity + 1 + U(0, 5));
   sim.overlap = U(0, 3) != 0;
   sim.opt.prefix_caching = U(0, 3) != 0;
+  sim.opt.has_state = U(0, 1);
+  sim.opt.state_snapshots = U(0, 3);
+  sim.slot_state.assign(size_t(sim.opt.max_batch_size), StateTag{});
+  sim.snapshot_state.assign(size_t(sim.opt.state_snapshots), StateTag{});
   sim.sched = std::make_unique<Scheduler>(sim.opt);
   sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
   const int requests = U(1, 40);
@@ -362,12 +399,14 @@ void run_seed(uint64_t seed, Totals& t) {
   }
   if (g_failed)
     std::printf("seed %llu: page_size %d, pages %d, max_batch_size %d, budget %d, max_model_len %d, overlap %d, "
-                "prefix caching %d\n",
+                "prefix caching %d, state %d, snapshots %d\n",
                 (unsigned long long)seed, sim.opt.page_size, sim.opt.num_pages, sim.opt.max_batch_size,
-                sim.opt.max_num_batched_tokens, sim.opt.max_model_len, int(sim.overlap), int(sim.opt.prefix_caching));
+                sim.opt.max_num_batched_tokens, sim.opt.max_model_len, int(sim.overlap), int(sim.opt.prefix_caching),
+                int(sim.opt.has_state), sim.opt.state_snapshots);
   t.preemptions += sim.sched->preemptions();
   t.cached_tokens += sim.sched->cached_tokens();
   t.shared_reads += sim.shared_reads;
+  t.state_restores += sim.state_restores;
 }
 
 }  // namespace
@@ -378,6 +417,7 @@ int main(int argc, char** argv) {
   for (int seed = 0; seed < seeds && !g_failed; ++seed) run_seed(uint64_t(seed), t);
   if (g_failed) return 1;
   std::printf("ok (%lld preemptions, %lld prompt tokens from the prefix cache, %lld rows read from pages another "
-              "request wrote)\n", (long long)t.preemptions, (long long)t.cached_tokens, (long long)t.shared_reads);
+              "request wrote, %lld states restored from snapshots)\n", (long long)t.preemptions,
+              (long long)t.cached_tokens, (long long)t.shared_reads, (long long)t.state_restores);
   return 0;
 }

@@ -96,6 +96,66 @@ def test_tensor_parallel_equals_one_rank(build, fresh_gen, name, tp):
                 assert abs(lp - db[tok]) < 1e-4
 
 
+# --- prefix caching: K/V pages plus a snapshot of the DeltaNet state where the hit ends ------------------------
+
+def test_shared_prefix_resumes_from_a_state_snapshot(build, fresh_gen, idle):
+    """Requests sharing a 40-token system prompt, one after another: the second finds the first's K/V pages but no
+    state there, computes them and snapshots its state where the match ended (32 tokens, two pages); the later ones
+    take those pages and that state and compute only the rest. Tokens equal transformers'."""
+    folder = build("qwen35_hybrid")
+    gen = fresh_gen(folder)
+    prompts = M.pick_prompts(folder, seed=51, lengths=[9, 3, 17, 1], max_new=8, prefix_len=40)
+    outs = [gen.generate([p], max_tokens=8, **GREEDY)[0] for p in prompts]
+    check_greedy(folder, prompts, outs, 8)
+    assert [c.cached_tokens for c in outs] == [0, 0, 32, 32]
+
+
+def test_next_turn_of_a_conversation_hits(build, fresh_gen):
+    """A conversation's next turn (its prompt: the last prompt, the reply, a new message) resumes from the snapshot
+    at the end of the last prompt's last full page."""
+    folder = build("qwen35_mixed_tied")
+    gen = fresh_gen(folder)
+    (p1,) = M.pick_prompts(folder, seed=52, lengths=[37], max_new=6)
+    (c1,) = gen.generate([p1], max_tokens=6, **GREEDY)
+    p2 = p1 + c1.token_ids + [7, 8, 9, 10, 11]
+    (c2,) = gen.generate([p2], max_tokens=6, **GREEDY)
+    assert c2.cached_tokens == 32
+    check_greedy(folder, [p1, p2], [c1, c2], 6)
+
+
+@pytest.mark.parametrize("snapshots", [0, 1])
+def test_few_snapshots_stay_exact(build, fresh_gen, idle, snapshots):
+    """One snapshot (or none) for requests of three different prefixes, interleaved, with chunked prefill and
+    preemption-free pools: hits only where the snapshot still holds that prefix's state; every token exact."""
+    folder = build("qwen35_hybrid")
+    gen = fresh_gen(folder, state_snapshots=snapshots, max_num_batched_tokens=24, max_batch_size=3)
+    groups = [M.pick_prompts(folder, seed=60 + g, lengths=[5, 11], max_new=6, prefix_len=33) for g in range(3)]
+    prompts = [groups[g][i] for i in range(2) for g in range(3)]
+    outs = []
+    for p in prompts:  # one at a time: each may hit what the one before left
+        outs += gen.generate([p], max_tokens=6, **GREEDY)
+    check_greedy(folder, prompts, outs, 6)
+    cached = [c.cached_tokens for c in outs]
+    if snapshots == 0:
+        assert cached == [0] * 6
+    s = idle(gen)
+    assert s["free_slots"] == s["total_slots"], s
+
+
+def test_concurrent_shared_prefixes_with_snapshots(build, fresh_gen, idle):
+    """Many requests of two shared prefixes at once through 4 slots, chunks of 16 tokens: snapshots taken and
+    restored while other requests run; every request gets its own tokens as when run alone without the cache."""
+    folder = build("qwen35_hybrid")
+    gen = fresh_gen(folder, max_batch_size=4, max_num_batched_tokens=16, state_snapshots=2)
+    alone = fresh_gen(folder, enable_prefix_caching=False)
+    prompts = [p for g in range(2) for p in M.pick_prompts(folder, seed=70 + g, lengths=[2, 6, 10, 14, 20],
+                                                            max_new=5, prefix_len=48)]
+    outs = [r.result() for r in [gen.submit(p, max_tokens=5, **GREEDY) for p in prompts]]
+    ref = alone.generate(prompts, max_tokens=5, **GREEDY)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
+    assert idle(gen)["cached_tokens"] > 0
+
+
 def test_tensor_parallel_must_divide_the_deltanet_heads(build):
     folder = build("qwen35_ratio3")  # 2 key heads
     with pytest.raises(ValueError, match="DeltaNet heads"):

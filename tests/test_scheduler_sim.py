@@ -1,7 +1,8 @@
 """The scheduler under the engine's step bookkeeping over thousands of random configurations
 (tests/scheduler_sim.cpp, built here from the real scheduler and page sources): every token fed and every K/V row
 read is checked, outputs equal each request's run alone, no page or slot leaks, and requests that share a prefix
-share its cached pages without writing into them."""
+share its cached pages without writing into them; with a recurrent state (hybrid models), every step starts each
+sequence from a state of exactly its own tokens (a snapshot restored on a hit)."""
 from __future__ import annotations
 
 import os
@@ -34,3 +35,5 @@ def test_scheduler_simulation(tmp_path):
     # The workloads share prefixes: the cache must have been used, and its pages read by other requests.
     counts = [int(w) for w in r.stdout.replace("(", " ").split() if w.isdigit()]
     assert counts[1] > 0 and counts[2] > 0, r.stdout
+    # State models (hybrid): prefix hits resumed from state snapshots.
+    assert counts[3] > 0, r.stdout

@@ -81,6 +81,7 @@ NB_MODULE(_core, m) {
       .def_rw("num_threads", &EngineOptions::num_threads)
       .def_rw("cuda_graphs", &EngineOptions::cuda_graphs)
       .def_rw("comm_timeout_s", &EngineOptions::comm_timeout_s)
+      .def_rw("state_snapshots", &EngineOptions::state_snapshots)
       .def_rw("prefix_caching", &EngineOptions::prefix_caching)
       .def_rw("check_weights", &EngineOptions::check_weights);
 

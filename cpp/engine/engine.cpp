@@ -333,14 +333,15 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   // DeltaNet state, one per slot (and the scratch slot), before the KV pool takes what memory is left.
   const int delta_layers = cfg.num_delta_net_layers();
   size_t state_bytes = 0;
+  const int snapshots = opt.prefix_caching ? opt.state_snapshots : 0;
   if (delta_layers > 0) {
     on_ranks([&](int, Rank& rk) {
-      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, rk.model->delta_net_shape(),
-                                              rk.be->act_dtype());
+      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, snapshots,
+                                              rk.model->delta_net_shape(), rk.be->act_dtype());
       rk.be->synchronize();
     }, kNoLimit);
     state_bytes = StateCache::bytes_per_slot(delta_layers, ranks[0].model->delta_net_shape(), ranks[0].be->act_dtype()) *
-                  size_t(opt.max_batch_size + 1);
+                  size_t(opt.max_batch_size + 1 + snapshots);
   }
   // KV pool: the same number of pages on every rank.
   const size_t bpp = KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
@@ -383,9 +384,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.page_size = opt.page_size;
   so.num_pages = int(pages);
   so.max_model_len = opt.max_model_len;
-  // A DeltaNet state holds only at the position it was taken: prefix hits on hybrid models need state snapshots at
-  // page boundaries, not there yet, so their prefix cache is off.
-  so.prefix_caching = opt.prefix_caching && delta_layers == 0;
+  so.prefix_caching = opt.prefix_caching;
+  so.has_state = delta_layers > 0;
+  so.state_snapshots = snapshots;
   sched = std::make_unique<Scheduler>(so);
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
@@ -563,7 +564,13 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
     test_fail_rank(r);
+    // State models: a prefix hit's slot resumes from its snapshot; a prompt's state is snapshotted where its
+    // chunk ended at a snapshot boundary (stream-ordered around the step).
+    for (const auto& s : p.seqs)
+      if (s.restore >= 0) rk.state->copy_slot(rk.state->snapshot_slot(s.restore), s.req->slot);
     Tensor l = rk.model->forward(p.input, *rk.kv, rk.state.get(), r == 0 ? sampled : nullptr);
+    for (const auto& s : p.seqs)
+      if (s.snapshot >= 0) rk.state->copy_slot(s.req->slot, rk.state->snapshot_slot(s.snapshot));
     if (r == 0) logits = l;
   });
   // Sampling parameters of the sequences that reached their end.

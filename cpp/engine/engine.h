@@ -30,6 +30,7 @@ struct EngineOptions {
   bool cuda_graphs = true;
   double comm_timeout_s = 120.0;
   bool prefix_caching = true;      // requests reuse the cached K/V pages of a prefix they share (scheduler.h)
+  int state_snapshots = 16;        // hybrid models: DeltaNet states kept at prompts' page boundaries for prefix hits
   bool check_weights = true;       // refuse checkpoint tensors holding NaN or inf (ValueError naming the tensor)
 };
 

@@ -55,6 +55,10 @@ struct Request {
   int computed = 0;         // tokens whose K/V are in the cache (or being written by a launched step)
   int preempted = 0;        // times preempted
   int cached = 0;           // prompt tokens the prefix cache gave at the first admission (not computed)
+  int shared_end = 0;       // state models: where the prompt's K/V match with the cache ended at admission (its
+                            // state is snapshotted there on the way, for the next request with that prefix),
+  int shared_page = -1;     // and the cached page that ends the match (a snapshot there is named by it), with
+  uint32_t shared_gen = 0;  // its generation then
   int pending_row = -1;     // row of the in-flight step's sampling that gives output.back() (when kPending)
   bool finishing = false;   // the pending token is its last (length limit): nothing more to plan
   bool finished = false;    // finished or cancelled; kept alive only while an in-flight step refers to it

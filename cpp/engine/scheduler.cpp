@@ -19,7 +19,8 @@ const char* finish_name(Finish f) {
 }
 
 Scheduler::Scheduler(const SchedulerOptions& o)
-    : opt_(o), pool_(o.num_pages, o.page_size), slots_(o.max_batch_size) {}
+    : opt_(o), pool_(o.num_pages, o.page_size), slots_(o.max_batch_size),
+      snapshots_(o.has_state && o.prefix_caching ? o.state_snapshots : 0) {}
 
 void Scheduler::add(std::unique_ptr<Request> r) { waiting_.push_back(std::move(r)); }
 
@@ -91,6 +92,26 @@ void Scheduler::name_pages(Request& r, int upto) {
   }
 }
 
+bool Scheduler::snapshot_boundary(const Request& r, int pos) const {
+  if (snapshots_.capacity() == 0 || pos <= 0) return false;
+  return pos == (int(r.prompt.size()) - 1) / opt_.page_size * opt_.page_size || pos == r.shared_end;
+}
+
+int Scheduler::cut_at_boundary(const Request& r, int first, int n) const {
+  for (int b : {r.shared_end, (int(r.prompt.size()) - 1) / opt_.page_size * opt_.page_size})
+    if (snapshot_boundary(r, b) && first < b && b < first + n) n = b - first;
+  return n;
+}
+
+int Scheduler::snapshot_after(const Request& r, int first, int n) {
+  if (!snapshot_boundary(r, first + n)) return -1;
+  // Named by the page whose name the content there has: the cached page r's match ended with (r's own page of the
+  // same content stays unnamed), else r's own page (named once filled).
+  if (first + n == r.shared_end) return snapshots_.take(r.shared_page, r.shared_gen);
+  const int page = slots_[r.slot].pages[size_t((first + n) / opt_.page_size - 1)];
+  return snapshots_.take(page, pool_.generation(page));
+}
+
 void Scheduler::preempt(Request* r) {
   auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == r; });
   QRT_CHECK(it != running_.end(), "preempt: request not running");
@@ -128,6 +149,7 @@ std::unique_ptr<Request> Scheduler::remove(Request* r) {
 
 Plan Scheduler::plan() {
   Plan p;
+  snapshots_.ready();  // those the last plan took are written by the time this step runs
   int budget = opt_.max_num_batched_tokens;
   const int ps = opt_.page_size;
   // Running requests first, oldest first: decodes and unfinished prefills.
@@ -137,7 +159,7 @@ Plan Scheduler::plan() {
       ++i;
       continue;
     }
-    int n = std::min(r->length() - r->computed, budget);
+    int n = cut_at_boundary(*r, r->computed, std::min(r->length() - r->computed, budget));
     // Tokens that fit in the pages the slot has plus the free ones.
     const int cap = (int(slots_[r->slot].pages.size()) + pool_.free_count()) * ps - r->computed;
     if (cap < n && cap >= 1 && n > 1) n = cap;  // a prefill chunk shrinks to what fits
@@ -155,6 +177,7 @@ Plan Scheduler::plan() {
     // Pages that steps before this one filled: a request admitted below may read them in this step.
     name_pages(*r, r->computed);
     p.seqs.push_back({r, r->computed, n, r->computed + n == r->length()});
+    p.seqs.back().snapshot = snapshot_after(*r, r->computed, n);
     budget -= n;
     ++i;
   }
@@ -167,14 +190,21 @@ Plan Scheduler::plan() {
   while (budget > 0 && !waiting_.empty() && !waiting_.front()->finishing && slots_.free_count() > 0 &&
          pool_.free_count() > 0 && int(running_.size()) < opt_.max_batch_size) {
     Request* r = waiting_.front().get();
-    const std::vector<int> hit = cached_prefix(*r);
+    std::vector<int> hit = cached_prefix(*r);
+    int restore = -1;  // state models: a hit ends where a snapshot of the state was taken
+    if (opt_.has_state) {
+      r->shared_end = int(hit.size()) * ps;
+      r->shared_page = hit.empty() ? -1 : hit.back();
+      r->shared_gen = hit.empty() ? 0u : pool_.generation(hit.back());
+      while (!hit.empty() && (restore = snapshots_.find(hit.back(), pool_.generation(hit.back()))) < 0) hit.pop_back();
+    }
     int shared = 0;  // hit pages other requests hold: they cost no free page
     for (int page : hit) shared += pool_.holders(page) > 0;
     const int need = pages_for(r->length()) + expected_growth(*r) - shared;
     const int free_after_hit = pool_.free_count() - (int(hit.size()) - shared);
     if ((!running_.empty() && pool_.free_count() - reserved < need) || free_after_hit < 1) break;
     const int start = int(hit.size()) * ps;
-    int n = std::min({r->length() - start, budget, free_after_hit * ps});
+    int n = cut_at_boundary(*r, start, std::min({r->length() - start, budget, free_after_hit * ps}));
     r->slot = slots_.acquire();
     Slot& slot = slots_[r->slot];
     for (int page : hit) pool_.retain(page);
@@ -190,6 +220,8 @@ Plan Scheduler::plan() {
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
     p.seqs.push_back({r, start, n, start + n == r->length()});
+    p.seqs.back().restore = restore;
+    p.seqs.back().snapshot = snapshot_after(*r, start, n);
     budget -= n;
   }
   if (!p.seqs.empty()) build_input(p);

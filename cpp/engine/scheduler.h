@@ -9,6 +9,10 @@
 // admitted later whose tokens start the same way takes those pages instead of computing them again (its first
 // step begins after them). A page is named only once a step before the one being planned filled it (no step
 // reads rows that it also writes), and every request computes its last prompt token itself.
+// Models with a recurrent state (DeltaNet layers): a state holds only where it was taken, so a prefix hit also needs
+// a snapshot of the state at its end. A prompt's prefill stops at the end of its last full page (before its last
+// token) and where its match with the cached pages ended (a shared system prompt: the next request with it hits),
+// the states there are snapshotted, and a later request's hit is cut back to the longest one with a snapshot.
 #pragma once
 #include <deque>
 #include <memory>
@@ -27,6 +31,8 @@ struct SchedulerOptions {
   int num_pages = 0;
   int max_model_len = 0;
   bool prefix_caching = true;
+  bool has_state = false;   // the model keeps a per-slot recurrent state (DeltaNet layers)
+  int state_snapshots = 0;  // snapshots of it kept for prefix hits (has_state; 0: no prefix hits)
 };
 
 struct PlannedSeq {
@@ -35,6 +41,8 @@ struct PlannedSeq {
   int count;          // tokens fed this step
   bool sample;        // the step reaches the end of the sequence: a token is sampled
   int out_index = -1; // where in req->output the sampled token goes (set when the step is launched)
+  int restore = -1;   // state models: the snapshot the slot's state is copied from before the step
+  int snapshot = -1;  // state models: the snapshot the slot's state is copied into after the step
 };
 
 struct Plan {
@@ -74,11 +82,19 @@ class Scheduler {
   bool page_tokens(const Request& r, int j, std::vector<int32_t>& tokens) const;
   std::vector<int> cached_prefix(const Request& r) const;  // pages of r's leading tokens the cache holds
   void name_pages(Request& r, int upto);  // names r's full pages within tokens [0, upto), filled by earlier steps
+  // State models: where r's state is snapshotted: the end of its prompt's last full page before its last token, and
+  // where its prompt's match with the cache ended at admission (0: none).
+  bool snapshot_boundary(const Request& r, int pos) const;
+  // A chunk of n tokens from `first`, cut to end at the first snapshot boundary it crosses; the snapshot to take
+  // when a chunk ends at one.
+  int cut_at_boundary(const Request& r, int first, int n) const;
+  int snapshot_after(const Request& r, int first, int n);
   void build_input(Plan& p);
 
   SchedulerOptions opt_;
   PagePool pool_;
   SlotTable slots_;
+  SnapshotTable snapshots_;
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
   int64_t preemptions_ = 0, cached_tokens_ = 0;

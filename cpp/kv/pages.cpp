@@ -44,6 +44,7 @@ int PagePool::alloc() {
     return -1;
   }
   pages_[size_t(id)].holders = 1;
+  ++pages_[size_t(id)].gen;  // new content (drop_name has bumped a cached page's already: no matter)
   return id;
 }
 
@@ -87,6 +88,33 @@ int PagePool::name(int page, int parent, uint32_t parent_gen, const int32_t* tok
 int PagePool::lookup(int parent, const int32_t* tokens) const {
   auto it = named_.find(make_name(parent, tokens));
   return it == named_.end() ? -1 : it->second;
+}
+
+int SnapshotTable::find(int page, uint32_t gen) {
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (entries_[i].page == page && entries_[i].gen == gen && !entries_[i].taken) {
+      entries_[i].used = ++clock_;
+      return int(i);
+    }
+  return -1;
+}
+
+void SnapshotTable::ready() {
+  for (Entry& e : entries_) e.taken = false;
+}
+
+int SnapshotTable::take(int page, uint32_t gen) {
+  QRT_CHECK(!entries_.empty(), "a state snapshot taken with no room for one");
+  size_t lru = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].page == page && entries_[i].gen == gen) {
+      lru = i;  // retaken at the same place (a recomputing request): one entry per name
+      break;
+    }
+    if (entries_[i].used < entries_[lru].used) lru = i;
+  }
+  entries_[lru] = Entry{page, gen, ++clock_, true};
+  return int(lru);
 }
 
 int SlotTable::free_count() const {

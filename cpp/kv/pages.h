@@ -23,7 +23,9 @@ class PagePool {
   int total() const { return total_; }
   int free_count() const { return int(free_.size() + lru_.size()); }  // pages alloc() can hand out
   int cached_count() const { return int(lru_.size()); }
-  int alloc();              // a page with one holder, or -1 when none is free or cached
+  // A page with one holder, or -1 when none is free or cached. Its generation changes: a (page, generation) pair
+  // stands for one content, from the page's allocation until its name (if any) is dropped.
+  int alloc();
   void retain(int page);    // one more holder of a page that lookup() found (held or cached)
   void release(int page);   // one holder fewer; with none left it is cached if it has a name, else free
   int holders(int page) const { return pages_[size_t(page)].holders; }
@@ -76,6 +78,31 @@ struct Slot {
   int named_tail = -1;
   uint32_t named_tail_gen = 0;
   bool naming_stopped = false;  // named_tail's content went before the next page could be named
+};
+
+// Which snapshot holds a DeltaNet state, and where it was taken (host bookkeeping; the states are in StateCache).
+// A snapshot is the state of a request after the tokens up to the end of one of its pages, named by that page and
+// the page's generation when taken: while the generation holds, the page still holds that request's tokens, so a
+// request whose prefix hit ends with that page may resume from the snapshot. The least recently used one is retaken.
+class SnapshotTable {
+ public:
+  explicit SnapshotTable(int capacity) : entries_(size_t(capacity)) {}
+  int capacity() const { return int(entries_.size()); }
+  int find(int page, uint32_t gen);  // the snapshot taken at the end of (page, gen), or -1; marks it used
+  // The snapshot to write the state at the end of (page, gen) into; find() sees it once ready() is called (the
+  // next step's plan: the copy into it runs after the step that takes it).
+  int take(int page, uint32_t gen);
+  void ready();
+
+ private:
+  struct Entry {
+    int page = -1;
+    uint32_t gen = 0;
+    uint64_t used = 0;
+    bool taken = false;  // being written by the step being planned
+  };
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
 };
 
 class SlotTable {

@@ -1,5 +1,6 @@
 // StateCache: one rank's Gated DeltaNet state (ops.h StateLayer) for every slot of every DeltaNet layer.
-// Slot ids are the scheduler's slots; one more, the scratch slot, takes what padded graph rows write.
+// Slot ids are the scheduler's slots; one more, the scratch slot, takes what padded graph rows write; then the
+// snapshots (the states a prefix hit resumes from, engine/scheduler.h), which no step reads or writes directly.
 #pragma once
 #include <cstddef>
 
@@ -10,9 +11,13 @@ namespace qrt {
 class StateCache {
  public:
   // num_layers: the model's DeltaNet layers; shape: this rank's share of their heads.
-  StateCache(Backend& be, int num_layers, int num_slots, const DeltaNetShape& shape, DType conv_dtype);
+  StateCache(Backend& be, int num_layers, int num_slots, int num_snapshots, const DeltaNetShape& shape,
+             DType conv_dtype);
   StateLayer layer(int i) const;  // i counts DeltaNet layers only
   int scratch_slot() const { return slots_; }
+  int snapshot_slot(int snapshot) const { return slots_ + 1 + snapshot; }
+  // Copies slot `from`'s state of every layer over slot `to`'s (stream-ordered).
+  void copy_slot(int from, int to);
   static size_t bytes_per_slot(int num_layers, const DeltaNetShape& shape, DType conv_dtype) {
     return size_t(num_layers) * (conv_bytes(shape, conv_dtype) + recurrent_bytes(shape));
   }
@@ -23,7 +28,8 @@ class StateCache {
   }
   static size_t recurrent_bytes(const DeltaNetShape& s) { return size_t(s.v_heads) * s.k_dim * s.v_dim * 4; }
 
-  int layers_, slots_;
+  Backend& be_;
+  int layers_, slots_, total_;  // total_: slots, the scratch slot and the snapshots
   DeltaNetShape shape_;
   DType conv_dtype_;
   Buffer conv_, recurrent_;

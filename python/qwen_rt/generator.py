@@ -308,7 +308,8 @@ class Generator:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
-                 enable_prefix_caching: bool = True, progress: bool = True, check_weights: bool = True):
+                 enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
+                 check_weights: bool = True):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -319,7 +320,8 @@ class Generator:
             max_num_batched_tokens = 8192 if dev == "cuda" else 2048
         for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
-                            ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0)):
+                            ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0),
+                            ("state_snapshots", state_snapshots, 0)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
@@ -395,6 +397,7 @@ class Generator:
         opts.comm = comm
         opts.comm_timeout_s = float(comm_timeout)
         opts.prefix_caching = enable_prefix_caching
+        opts.state_snapshots = state_snapshots
         opts.check_weights = check_weights
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
