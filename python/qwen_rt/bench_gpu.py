@@ -63,10 +63,14 @@ def measure_limits() -> dict:
 
 
 def _hf_config(model: str):
-    """transformers' config for a packaged (or hub) model name, architectures kept."""
+    """transformers' config of a packaged (or hub) model name's language model, architectures kept (Qwen3.5's
+    multimodal configs: the text model, Qwen3_5ForCausalLM)."""
     import transformers
-    from qwen_rt.model_files import resolve
-    raw = resolve(model, load_format="dummy").config
+    from qwen_rt.model_files import resolve, text_config
+    full = resolve(model, load_format="dummy").config
+    raw = text_config(full)
+    if raw is not full:
+        raw = dict(raw, architectures=["Qwen3_5ForCausalLM"])
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items()
                                                if k not in ("architectures", "transformers_version")})
     cfg.architectures = raw.get("architectures")
@@ -159,6 +163,8 @@ def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: 
             rows.append({"model": model, "tp": TP, "batch": b, "step_ms": round(step * 1e3, 3),
                          "decode_tok_s": round(b / step, 1), "mbu": round(mbu, 3),
                          "e2e_tok_s": round(b * new_tokens / tn, 1)})
+            if rows[0]["batch"] == 1:  # concurrency speed-up: output tok/s at this batch over batch 1's
+                rows[-1]["speedup"] = round(rows[-1]["decode_tok_s"] / rows[0]["decode_tok_s"], 2)
             log(rows[-1])
     finally:
         g.close()
