@@ -409,7 +409,8 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   sh.max_pages_per_seq = 0;  // the page table is counted per position below
   const Footprint f = footprint(cfg, sh);
   const double sampling = cuda ? double(opt.max_batch_size) * cfg.vocab_size * 4 : 0;  // reserve_sampling
-  const double state = double(opt.max_batch_size + 1) * f.state_slot;  // every slot's and the scratch slot's
+  // Every slot's state, the scratch slot's and the snapshots'.
+  const double state = double(opt.max_batch_size + 1 + (opt.prefix_caching ? opt.state_snapshots : 0)) * f.state_slot;
   const double fixed = f.weights + f.workspace + sampling + state;
   const double per_position = f.rope_position + double(opt.max_batch_size) * 4 / opt.page_size;
   // Memory free now on the rank with the least; CPU ranks share one memory.

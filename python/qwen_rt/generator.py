@@ -314,7 +314,8 @@ class Generator:
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
         # Defaults by device: a GPU serves many sequences per step, a CPU few.
-        if max_batch_size is None:
+        auto_batch = max_batch_size is None
+        if auto_batch:
             max_batch_size = 256 if dev == "cuda" else 32
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if dev == "cuda" else 2048
@@ -358,6 +359,9 @@ class Generator:
         self.config = text_config(files.config)
         self.generation_config = dict(files.generation_config)
         ncfg = native_config(self.config)
+        if auto_batch and dev == "cuda" and "linear_attention" in ncfg.layer_types:
+            # Hybrid models keep a DeltaNet state per slot (Qwen3.8-27B: ~150 MB each): fewer slots by default.
+            max_batch_size = 64
         if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors):  # Qwen3.5's multimodal layout
             ncfg.weight_prefix = MULTIMODAL_PREFIX
         # As transformers 5: tied embeddings, but the checkpoint has its own, different lm_head: that one is used.
