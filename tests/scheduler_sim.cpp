@@ -9,8 +9,8 @@
 // limits, with preemption, cancellation, stop tokens, min_tokens, requests with penalties (which make the engine
 // complete a step before planning the next), and prompts that share prefixes, with the prefix cache on or off.
 //
-// launch(), complete() and step() mirror Engine::Impl's in cpp/engine/engine.cpp without the device and the
-// sampling options: change them together.
+// The requests' bookkeeping around a step is the engine's own (Scheduler::launched and Scheduler::sampled); only
+// the loop's order in step() mirrors Engine::Impl::step (change them together) and the device is modelled here.
 //   scheduler_sim [seeds]   prints "ok (<counts>)" and exits 0, or prints the first failure and exits 1
 #include <algorithm>
 #include <cstdio>
@@ -249,20 +249,14 @@ struct Sim {
     f->plan = std::move(plan);
     f->sampled = run_on_device(f->plan);
     if (!f->sampled.empty()) device_sampled = f->sampled;
-    int row = 0;
     for (auto& s : f->plan.seqs) {
-      Request& q = *s.req;
-      q.computed = s.first + s.count;
-      if (!s.sample) continue;
-      if (penalized.count(q.id)) {
+      const Request& q = *s.req;
+      if (s.sample && penalized.count(q.id)) {
         f->needs_tokens = true;  // penalties read the output: no pending token may be in it
         if (contains(q.output, kPending)) FAIL("request %lld has penalties and a pending token", (long long)q.id);
       }
-      s.out_index = int(q.output.size());
-      q.output.push_back(kPending);
-      q.pending_row = row++;
-      q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt.max_model_len;
     }
+    sched->launched(f->plan);  // the engine's own bookkeeping
     return f;
   }
 
@@ -274,13 +268,12 @@ struct Sim {
       Request& q = *s.req;
       if (q.finished) continue;
       const int32_t t = f->sampled[r];
-      q.output[s.out_index] = t;
-      q.output_counts[t]++;
-      if (q.pending_row == r && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+      const Finish fin = sched->sampled(s, r, t);  // the engine's own bookkeeping; end_after is the oracle's
       auto& out = published[q.id];
       if (int(out.size()) != s.out_index) FAIL("request %lld publishes token %d after %zu", (long long)q.id, s.out_index, out.size());
       out.push_back(t);
-      const Finish fin = end_after(q.opts, int(q.prompt.size()), s.out_index + 1, t, opt.max_model_len);
+      if (fin != end_after(q.opts, int(q.prompt.size()), s.out_index + 1, t, opt.max_model_len))
+        FAIL("request %lld ends %d after token %d, the oracle says otherwise", (long long)q.id, int(fin), s.out_index);
       if (fin != Finish::None) finish(sched->remove(&q), fin);
     }
   }

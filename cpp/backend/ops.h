@@ -132,6 +132,8 @@ class Backend {
   virtual DType kv_dtype() const { return act_dtype(); }  // dtype of the KV cache
   // Attention head sizes the backend's kernels take.
   virtual bool supports_head_dim(int head_dim) const { return head_dim > 0; }
+  // Gated DeltaNet sizes its kernels take.
+  virtual bool supports_delta_net(const DeltaNetShape& s) const { return s.k_dim > 0 && s.conv_kernel >= 2; }
 
   // Memory. alloc throws std::runtime_error naming the size when memory runs out.
   virtual void* alloc(size_t bytes) = 0;

@@ -98,7 +98,6 @@ struct Rank {
   std::unique_ptr<KvCache> kv;
 };
 
-bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 // Built at load: the loop may fail for want of memory to build a message.
 const std::string kUnknownFailure = "engine step failed: an unknown error (or no memory left to describe it)";
@@ -613,18 +612,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
     ranks[0].be->sample_start(logits, rows);
     f->sampled = true;
   }
-  // The plan's effect on the requests, as if the step had run: their K/V are (being) written, and each
-  // sampled token has its place in the output.
-  int row = 0;
-  for (auto& s : f->plan.seqs) {
-    Request& q = *s.req;
-    q.computed = s.first + s.count;
-    if (!s.sample) continue;
-    s.out_index = int(q.output.size());
-    q.output.push_back(kPending);
-    q.pending_row = row++;
-    q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt.max_model_len;
-  }
+  sched->launched(f->plan);
   return f;
 }
 
@@ -642,17 +630,8 @@ void Engine::Impl::complete(std::unique_ptr<Flight> f) {
       finish(sched->remove(&q), Finish::Error, kNonFiniteLogits);
       continue;
     }
-    const int32_t tok = res.tokens[row];
-    q.output[s.out_index] = tok;
-    q.output_counts[tok]++;
-    if (q.pending_row == row && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+    const Finish fin = sched->sampled(s, row, res.tokens[row]);
     publish_token(q, res, row);
-    const SamplingOptions& o = q.opts;
-    const int produced = s.out_index + 1;
-    const bool stop_tok = contains(o.stop_token_ids, tok) || (!o.ignore_eos && contains(o.eos_token_ids, tok));
-    Finish fin = Finish::None;
-    if (stop_tok && produced >= o.min_tokens) fin = Finish::Stop;
-    else if (produced >= o.max_tokens || int(q.prompt.size()) + produced >= opt.max_model_len) fin = Finish::Length;
     if (fin != Finish::None) finish(sched->remove(&q), fin);
   }
   snapshot.steps++;

@@ -127,6 +127,33 @@ void Scheduler::preempt(Request* r) {
   waiting_.push_front(std::move(own));
 }
 
+void Scheduler::launched(Plan& p) {
+  int row = 0;
+  for (auto& s : p.seqs) {
+    Request& q = *s.req;
+    q.computed = s.first + s.count;
+    if (!s.sample) continue;
+    s.out_index = int(q.output.size());
+    q.output.push_back(kPending);
+    q.pending_row = row++;
+    q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt_.max_model_len;
+  }
+}
+
+Finish Scheduler::sampled(const PlannedSeq& s, int row, int32_t token) {
+  Request& q = *s.req;
+  q.output[size_t(s.out_index)] = token;
+  q.output_counts[token]++;
+  if (q.pending_row == row && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+  const SamplingOptions& o = q.opts;
+  const int produced = s.out_index + 1;
+  auto has = [token](const std::vector<int32_t>& v) { return std::find(v.begin(), v.end(), token) != v.end(); };
+  if ((has(o.stop_token_ids) || (!o.ignore_eos && has(o.eos_token_ids))) && produced >= o.min_tokens)
+    return Finish::Stop;
+  if (produced >= o.max_tokens || int(q.prompt.size()) + produced >= opt_.max_model_len) return Finish::Length;
+  return Finish::None;
+}
+
 std::unique_ptr<Request> Scheduler::remove(Request* r) {
   std::unique_ptr<Request> own;
   auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == r; });

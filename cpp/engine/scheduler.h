@@ -58,6 +58,13 @@ class Scheduler {
   void add(std::unique_ptr<Request> r);  // to the back of the waiting queue
   // Plans the next step. Requests finished (cancelled) before planning are returned by take_finished().
   Plan plan();
+  // The plan's effect on its requests once it is launched, as if the step had run (the engine and the simulation
+  // both call it): their K/V are (being) written, and each sequence that samples gets a pending token at out_index
+  // of its output, its sampling row in pending_row; a request whose token is its last is finishing.
+  void launched(Plan& p);
+  // Sequence s of a launched plan sampled `token` (its sampling row: row): the token takes its place in the
+  // output. Returns how the request ends with it (Finish::None: it goes on; the caller removes it otherwise).
+  Finish sampled(const PlannedSeq& s, int row, int32_t token);
   // Removes a running or waiting request (finish or cancel) and frees its slot and pages.
   std::unique_ptr<Request> remove(Request* r);
   bool idle() const { return running_.empty() && waiting_.empty(); }

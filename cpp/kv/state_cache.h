@@ -1,6 +1,7 @@
 // StateCache: one rank's Gated DeltaNet state (ops.h StateLayer) for every slot of every DeltaNet layer.
 // Slot ids are the scheduler's slots; one more, the scratch slot, takes what padded graph rows write; then the
 // snapshots (the states a prefix hit resumes from, engine/scheduler.h), which no step reads or writes directly.
+// Nothing ever reads the scratch slot: padded rows start fresh (position 0) and may all write it at once.
 #pragma once
 #include <cstddef>
 

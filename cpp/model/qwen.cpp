@@ -46,6 +46,9 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
   const int n = comm.size(), r = comm.rank();
   QRT_CHECK_ARG(be.supports_head_dim(cfg_.head_dim), "head_dim ", cfg_.head_dim, " is not supported by the ",
                 be.name(), " backend (64, 128 or 256)");
+  QRT_CHECK_ARG(cfg_.num_delta_net_layers() == 0 || be.supports_delta_net(shard_.delta), "Gated DeltaNet layers of ",
+                "key head dim ", cfg_.linear_k_dim, " and conv width ", cfg_.linear_conv_kernel, " are not supported by ",
+                "the ", be.name(), " backend (CUDA: key head dims 16 to 256 in powers of two, conv widths 2 to 4)");
   vocab_pad_ = (cfg_.vocab_size + n - 1) / n;
   vocab0_ = r * vocab_pad_;
   vocab_rows_ = std::max(0, std::min(vocab_pad_, cfg_.vocab_size - vocab0_));

@@ -33,6 +33,11 @@ class CudaBackend final : public Backend {
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
   bool supports_head_dim(int d) const override { return d == 64 || d == 128 || d == 256; }
+  // gdn.cu builds conv widths 2 to 4 and key head dims 16 to 256 in powers of two.
+  bool supports_delta_net(const DeltaNetShape& s) const override {
+    return s.conv_kernel >= 2 && s.conv_kernel <= 4 && (s.k_dim == 16 || s.k_dim == 32 || s.k_dim == 64 ||
+                                                       s.k_dim == 128 || s.k_dim == 256);
+  }
   void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) override;
   void convert(const Tensor& src, Tensor& dst) override;
   bool folds_norm_gains() const override;
