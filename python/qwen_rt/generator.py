@@ -308,7 +308,8 @@ class Generator:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
-                 enable_prefix_caching: bool = True, progress: bool = True, check_weights: bool = True):
+                 enable_prefix_caching: bool = True, progress: bool = True, check_weights: bool = True,
+                 quantization: str | None = None):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -343,6 +344,8 @@ class Generator:
                         ("progress", progress), ("check_weights", check_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        if quantization is not None and not isinstance(quantization, str):
+            raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if comm not in ("auto", "nccl"):
@@ -355,9 +358,9 @@ class Generator:
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
         self.generation_config = dict(files.generation_config)
-        ncfg = native_config(self.config)
-        if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors):  # Qwen3.5's multimodal layout
-            ncfg.weight_prefix = MULTIMODAL_PREFIX
+        # Qwen3.5's multimodal layout keeps the text weights under model.language_model.
+        prefix = MULTIMODAL_PREFIX if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors) else "model."
+        ncfg = native_config(self.config, prefix, quantization)
         # As transformers 5: tied embeddings, but the checkpoint has its own, different lm_head: that one is used.
         head = files.tensors.get("lm_head.weight")
         embed = files.tensors.get(ncfg.weight_prefix + "embed_tokens.weight")
@@ -408,6 +411,7 @@ class Generator:
         self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
         self.dtype = adt
         self.weight_dtype = wdt
+        self.quantization = "fp8" if ncfg.fp8_scales else None  # FP8 linears (from the checkpoint or at load)
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds
