@@ -356,3 +356,54 @@ def test_cpu_quantize_fp8_is_block_quantization(src_dtype):
     np.testing.assert_array_equal(np.asarray(s), rs.numpy())
     np.testing.assert_array_equal(np.asarray(q), rq.float().numpy())
     assert np.asarray(s)[1, 1] == 1.0 and not np.asarray(q)[128:256, 128:256].any()
+
+
+# --- CUDA end to end (the op tests: test_cuda_ops.py) -----------------------------------------------------------
+
+def _cuda():
+    try:
+        return _core.cuda_device_count() > 0
+    except Exception:  # pragma: no cover
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="no CUDA device (or the CUDA plugin is missing)")
+@pytest.mark.parametrize("name,layout", [("qwen3_hd128_gqa2", "plain"), ("qwen35_hd256", "multimodal")])
+def test_cuda_fp8_checkpoint_matches_transformers(fp8, name, layout):
+    """On the GPU in fp32: transformers' greedy tokens on the dequantized weights (decode through the FP8 GEMV,
+    prefill through the dequantizing GEMM, graphs); in bf16 the first token's top-5 logprobs as close to the fp32
+    reference as transformers' own bf16 run on those weights (at most twice its error, plus 0.02)."""
+    folder, ref = fp8(name, layout=layout)
+    kw = dict(device="cuda", max_batch_size=8, gpu_memory_utilization=0.05, progress=False)
+    prompts = M.pick_prompts(ref, seed=8, lengths=[3, 40], max_new=10)
+    with qwen_rt.Generator(str(folder), dtype="float32", max_num_batched_tokens=16, **kw) as g:
+        outs = g.generate(prompts, max_tokens=10, **GREEDY)
+    for p, c in zip(prompts, outs):
+        msg = M.greedy_mismatch(ref, p, c.token_ids, 10)
+        assert not msg, msg
+    p = prompts[1]
+    with qwen_rt.Generator(str(folder), dtype="bfloat16", **kw) as g:
+        c = g.generate([p], max_tokens=1, logprobs=5, **GREEDY)[0]
+    want = M.log_softmax(M.hf_logits(str(ref), p))
+    hf_bf16 = M.log_softmax(M.hf_logits(str(ref), p, dtype="bfloat16"))
+    toks = list(c.logprobs[0])
+    ours = max(abs(c.logprobs[0][t] - want[t]) for t in toks)
+    theirs = max(abs(hf_bf16[t] - want[t]) for t in toks)
+    assert len(toks) >= 5 and ours <= 2 * theirs + 0.02, (ours, theirs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="no CUDA device (or the CUDA plugin is missing)")
+def test_cuda_quantized_at_load_equals_cpu(build, fp8):
+    """quantization="fp8" on the GPU (quantize_fp8 kernel) gives the CPU's weights: fp32 greedy tokens equal (the
+    reference: the block-quantized checkpoint's dequantized weights)."""
+    folder = build("qwen3_hd128_gqa2")
+    _, ref = fp8("qwen3_hd128_gqa2", scale_dtype=torch.float32)
+    prompts = M.pick_prompts(ref, seed=6, lengths=[5, 20], max_new=8)
+    runs = []
+    for dev in ("cpu", "cuda"):
+        with qwen_rt.Generator(str(folder), device=dev, dtype="float32", quantization="fp8", max_batch_size=4,
+                               gpu_memory_utilization=0.05, kv_cache_memory=1 << 24, progress=False) as g:
+            runs.append([c.token_ids for c in g.generate(prompts, max_tokens=8, **GREEDY)])
+    assert runs[0] == runs[1] == [M.hf_greedy(ref, p, 8) for p in prompts]
