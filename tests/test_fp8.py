@@ -274,6 +274,8 @@ def test_mismatched_checkpoints_are_refused(fp8, build, tmp_path):
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized"),
     ({"quant_method": "awq", "bits": 4}, "awq"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["re:("]}, "regular expression"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": "lm_head"}, "list of module"),
 ])
 def test_unsupported_quantization_configs(qc, needle):
     from qwen_rt.config import native_config

@@ -238,6 +238,12 @@ def _pattern_list(q: dict, key: str) -> list:
     v = q.get(key) or []
     if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
         raise ValueError(f"quantization_config's {key} must be a list of module names, got {v!r}"[:300])
+    for p in v:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise ValueError(f"quantization_config's {key} holds a bad regular expression {p!r}: {e}"[:300]) from None
     return v
 
 
