@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -183,6 +184,17 @@ CONFIGS: dict[str, dict] = {
                          linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128),
 }
 HYBRID_CONFIGS = [n for n, c in CONFIGS.items() if c["arch"] == "Qwen3_5ForCausalLM"]
+# Fixtures of one test module each (not run through every generate test).
+EXTRA_CONFIGS: dict[str, dict] = {
+    # FP8 under tensor parallelism: each rank's share of o_proj / down_proj / out_proj columns a multiple of 128 at
+    # TP=2 (4 x 64 attention columns, intermediate 256, 4 x 64 DeltaNet value columns).
+    "qwen3_fp8_tp": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_hidden_layers=2, tie_word_embeddings=False, intermediate_size=256),
+    "qwen35_fp8_tp": dict(arch="Qwen3_5ForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          num_hidden_layers=4, tie_word_embeddings=False, intermediate_size=256,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                          linear_value_head_dim=64),
+}
 
 COMMON = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
 ROPE_THETA = 1e6
@@ -191,7 +203,7 @@ ROPE_THETA = 1e6
 def make_config(name: str, vocab_size: int):
     from transformers import Qwen2Config, Qwen3Config, Qwen3_5TextConfig
 
-    spec = dict(CONFIGS[name])
+    spec = dict(CONFIGS[name] if name in CONFIGS else EXTRA_CONFIGS[name])
     arch = spec.pop("arch")
     rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
     extra = spec.pop("rope_extra", None)
@@ -267,6 +279,89 @@ def to_multimodal_layout(folder: Path) -> None:
     out["model.visual.patch_embed.proj.weight"] = torch.randn(16, 3, 2, 2)
     out["mtp.fc.weight"] = torch.randn(4, 8)
     save_state(folder, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 checkpoints (as Qwen's -FP8 releases and compressed-tensors "FP8 dynamic" lay them out)
+# ---------------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0
+# The decoder projections an FP8 checkpoint quantizes (in_proj_a / in_proj_b stay as they are, as in Qwen's).
+FP8_LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+                        r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight$")
+
+
+def fp8_quantize(w: torch.Tensor, rows: int = 128, cols: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block quantization: per rows x cols block s = amax / 448 in fp32 (1 for an all-zero block), q = e4m3(w / s)
+    rounded to nearest even; returns (q float8_e4m3fn [R, C], s float32 [ceil(R / rows), ceil(C / cols)])."""
+    w = w.float()
+    R, C = w.shape
+    s = torch.ones((-(-R // rows), -(-C // cols)), dtype=torch.float32)
+    q = torch.empty((R, C), dtype=torch.float8_e4m3fn)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            b = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            amax = b.abs().max()
+            if amax > 0:
+                s[i, j] = amax / FP8_MAX
+            q[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = (b / s[i, j]).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
+    return q, s
+
+
+def fp8_dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q * s with each scale spread over its block (s of [R / rows, C / cols] blocks, or [R, 1] per row, or [1]),
+    an fp32 product."""
+    R, C = q.shape
+    s = s.float().reshape(s.shape[0] if s.dim() else 1, -1)
+    br, bc = -(-R // s.shape[0]), -(-C // s.shape[1])
+    full = s.repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]
+    return q.float() * full
+
+
+def to_fp8(folder: Path, out: Path, ref: Path | None = None, fmt: str = "qwen",
+           scale_dtype: torch.dtype = torch.bfloat16, not_converted_prefix: str | None = None) -> Path:
+    """Writes folder's model to `out` as an FP8 checkpoint and, to `ref`, the dequantized weights as a float32
+    checkpoint for transformers (the reference). fmt "qwen": quant_method fp8, e4m3 weights, weight_scale_inv of
+    128 x 128 blocks (scale_dtype), modules_to_not_convert naming lm_head and every in_proj_a/b (named with
+    not_converted_prefix instead of the checkpoint's "model." / "model.language_model." when given). fmt "channel":
+    compressed-tensors FP8 dynamic, weight_scale [out, 1] per row, ignore ["lm_head", "re:.*in_proj_[ab]$"].
+    Every other tensor is kept as stored."""
+    out, state = copy_folder(folder, out), load_state(folder)
+    deq = dict(state)
+    kept = []
+    for k, w in list(state.items()):
+        if k.endswith((".in_proj_a.weight", ".in_proj_b.weight")):
+            kept.append(k[:-len(".weight")])
+        if not FP8_LINEAR.search(k):
+            continue
+        if fmt == "qwen":
+            q, s = fp8_quantize(w)
+            state[k], state[k[:-len("weight")] + "weight_scale_inv"] = q, s.to(scale_dtype)
+        else:
+            q, s = fp8_quantize(w, rows=1, cols=w.shape[1])
+            state[k], state[k[:-len("weight")] + "weight_scale"] = q, s.to(scale_dtype)
+        deq[k] = fp8_dequantize(q, s.to(scale_dtype))
+    save_state(out, state)
+    if fmt == "qwen":
+        if not_converted_prefix is not None:
+            kept = [not_converted_prefix + m.split(".layers.", 1)[1] for m in kept]
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["lm_head"] + kept}
+    else:
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*in_proj_[ab]$"],
+              "config_groups": {"group_0": {"targets": ["Linear"],
+                                            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                        "symmetric": True, "dynamic": False},
+                                            "input_activations": {"num_bits": 8, "type": "float",
+                                                                  "strategy": "token", "dynamic": True}}}}
+
+    def add_qc(c):
+        c["quantization_config"] = qc
+    edit_json(out / "config.json", add_qc)
+    if ref is not None:
+        ref = copy_folder(folder, ref)
+        save_state(ref, {k: v.float() if k in state and FP8_LINEAR.search(k) else v for k, v in deq.items()})
+    return out
 
 
 def copy_folder(src: Path, dst: Path) -> Path:

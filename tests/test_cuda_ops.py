@@ -1010,3 +1010,74 @@ def test_delta_net_ops_do_not_depend_on_the_batch(act):
                                                              *alone, hk, hv, dk, dv))
     assert np.array_equal(out_b[rows], out_a)
     assert np.array_equal(st_b[3], st_a[3])
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 weights (W8A16): the CUDA FP8 linear against the CPU's on the same e4m3 values and block scales
+# ---------------------------------------------------------------------------------------------
+def fp8_weights(cpu, rng, n, k, shift):
+    """e4m3 values (as float32, from the CPU's block quantization of random values) and random scales
+    [ceil(n / 2^shift), ceil(k / 128)] around 1 / sqrt(k) (so outputs stay of order one)."""
+    q, _ = cpu.quantize_fp8(rng.standard_normal((n, k)).astype(np.float32), "float32")
+    s = (rng.uniform(0.5, 1.5, (-(-n // (1 << shift)), -(-k // 128))) / (448 * math.sqrt(k))).astype(np.float32)
+    return np.asarray(q), s
+
+
+# (m, n, k, row shift): decode rows, odd N, K not a multiple of 16 (the GEMV declines: the GEMM path), fused-part
+# shifts, prefill rows.
+FP8_SHAPES = [(1, 16, 128, 7), (1, 4096, 1024, 7), (2, 100, 512, 5), (8, 1024, 4096, 7), (5, 96, 160, 3),
+              (3, 1000, 333, 7), (64, 256, 1024, 0), (257, 64, 1024, 7)]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,k,shift", FP8_SHAPES)
+@pytest.mark.parametrize("gemv_rows", ["0", "8"])  # every row through the dequantizing GEMM; the GEMV up to 8 rows
+def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
+    rng = np.random.default_rng(m * 131 + n * 7 + k + shift)
+    q, s = fp8_weights(cpu, rng, n, k, shift)
+    x = rand(rng, (m, k), -1, 1, act)
+    b = rand(rng, (1, n), -1, 1, act)
+    res = rand(rng, (m, n), -1, 1, act)
+    h = harness(DEVICE, act)
+    for op, kw in (("linear", dict(bias=b)), ("linear", dict(bias=b, f32_out=True)), ("linear_add", dict(res=res))):
+        ref = np.asarray(cpu.fp8_linear(op, x, q, s, shift, **kw))
+        out = np.asarray(h.fp8_linear(op, x, q, s, shift, **kw))
+        assert out.shape == ref.shape and rel(out, ref) < TOL[act], (op, kw.keys())
+    if int(gemv_rows) >= m:  # batch invariance: a row alone gives the same bits
+        out = np.asarray(h.fp8_linear("linear", x, q, s, shift))
+        np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[:1], q, s, shift)), out[:1])
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,inter,k,shift", [(1, 64, 1024, 7), (4, 100, 512, 2), (8, 1536, 1024, 7), (33, 24, 256, 3)])
+@pytest.mark.parametrize("gemv_rows", ["0", "8"])
+def test_fp8_linear_silu_mul_and_norm(cpu, act, m, inter, k, shift, gemv_rows, monkeypatch):
+    """gate|up with silu_mul (the GEMV fuses it: equal to linear then silu_mul bit for bit), and norm_linear with
+    a gain (FP8 linears never get folded gains: rms_norm, then the FP8 linear), against the CPU."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
+    rng = np.random.default_rng(m * 17 + inter + k)
+    q, s = fp8_weights(cpu, rng, 2 * inter, k, shift)
+    x = rand(rng, (m, k), -1, 1, act)
+    g = rand(rng, (k,), 0.5, 1.5)
+    h = harness(DEVICE, act)
+    out = np.asarray(h.fp8_linear("linear_silu_mul", x, q, s, shift))
+    np.testing.assert_array_equal(out, np.asarray(h.silu_mul(np.asarray(h.fp8_linear("linear", x, q, s, shift)))))
+    assert rel(out, np.asarray(cpu.fp8_linear("linear_silu_mul", x, q, s, shift))) < TOL[act]
+    for op in ("norm_linear", "norm_linear_silu_mul"):
+        ref = np.asarray(cpu.fp8_linear(op, x, q, s, shift, norm_w=g))
+        assert rel(np.asarray(h.fp8_linear(op, x, q, s, shift, norm_w=g)), ref) < TOL[act], op
+
+
+@pytest.mark.parametrize("src_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,cols", [(300, 260), (128, 128), (1, 5), (1000, 4096)])
+def test_fp8_quantize_equals_cpu(cpu, src_dtype, rows, cols):
+    """Backend::quantize_fp8 on the GPU: the CPU's e4m3 values and scales bit for bit (a zero block too)."""
+    rng = np.random.default_rng(rows + cols)
+    src = (rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, 1)))).astype(np.float32)
+    src[:64, :64] = 0
+    act = "float32" if src_dtype == "float32" else "bfloat16"
+    q, s = harness(DEVICE, act).quantize_fp8(src, src_dtype)
+    rq, rs = cpu.quantize_fp8(src, src_dtype)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(rq))

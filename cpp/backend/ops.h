@@ -6,7 +6,9 @@
 //   except where a parameter says "host".
 // - Ops are ordered on the backend's compute stream; nothing waits unless the op says so.
 // - Activations have the backend's activation dtype (CPU: F32); weights may be F32, F16 or BF16
-//   (F8E4M3 with block scales where Linear::scale is set) and are converted inside the op.
+//   (F8E4M3 with block scales where Linear::scale is set) and are converted inside the op. FP8 weights multiply
+//   as their dequantized values w * scale (an fp32 product), exactly so with F32 activations; with 16-bit
+//   activations a backend may round them to the activations' dtype first.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -18,10 +20,18 @@
 
 namespace qrt {
 
+// FP8 weights are quantized in blocks of kFp8Block columns (and, in checkpoints, rows).
+constexpr int kFp8Block = 128;
+
 // A weight matrix [out, in] (row-major, as stored by transformers) for y = x @ w^T.
+// FP8 (w F8E4M3, scale set): element (r, c) is the fp32 product w[r, c] * scale[r >> scale_row_shift, c / 128];
+// scale is fp32 [ceil(out / 2^scale_row_shift), ceil(in / 128)]. A shift below 7 lets the parts of a fused matrix
+// (or a rank's rows) that do not start at multiples of 128 keep their checkpoint blocks' scales (model/weights.h).
 struct Linear {
   Tensor w;
-  Tensor scale;  // FP8 only: [ceil(out/128), ceil(in/128)] fp32 multipliers; empty otherwise
+  Tensor scale;  // empty unless FP8
+  int scale_row_shift = 7;
+  bool fp8() const { return !scale.empty(); }
 };
 
 // An RMSNorm applied to a linear's input rows: rmsnorm(x) * (zero_centred ? 1 + w : w), as rms_norm.
@@ -168,6 +178,12 @@ class Backend {
   virtual void fill_random(Tensor& t, uint64_t seed, float scale, float offset, int64_t row0, int64_t col0) = 0;
   // Converts src into dst (same shape, any float dtypes).
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
+  // FP8 block quantization (Linear's format, one scale per 128 x 128 block): for each block of src (any float
+  // dtype) s = amax / 448 in fp32 (1 where the block is all zeros), q = e4m3(src / s) rounded to nearest even
+  // (saturating at +-448). q F8E4M3 like src; scale fp32 [ceil(rows / 128), ceil(cols / 128)].
+  virtual void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale) {
+    (void)src, (void)q, (void)scale, unsupported("quantize_fp8");
+  }
   // Whether a model should fold RMSNorm gains into the 16-bit weights that follow them (scale_columns,
   // then RmsNorm::unit_gain): true where the fused norm_linear is faster without a gain.
   virtual bool folds_norm_gains() const { return false; }

@@ -45,7 +45,11 @@ NB_MODULE(_core, m) {
       .def_rw("max_position_embeddings", &ModelConfig::max_position_embeddings)
       .def_rw("rope_inv_freq", &ModelConfig::rope_inv_freq)
       .def_rw("rope_attention_factor", &ModelConfig::rope_attention_factor)
-      .def_rw("weight_prefix", &ModelConfig::weight_prefix);
+      .def_rw("weight_prefix", &ModelConfig::weight_prefix)
+      .def_rw("fp8_scales", &ModelConfig::fp8_scales)
+      .def_rw("fp8_scale_name", &ModelConfig::fp8_scale_name)
+      .def_rw("fp8_online", &ModelConfig::fp8_online)
+      .def_rw("fp8_skip", &ModelConfig::fp8_skip);
 
   nb::class_<TensorSource>(m, "TensorSource")
       .def(nb::init<>())
@@ -179,6 +183,15 @@ NB_MODULE(_core, m) {
         },
         "config"_a, "ranks"_a, "weights"_a, "act"_a, "kv"_a, "folds_gains"_a, "max_tokens"_a, "max_seqs"_a,
         "max_pages_per_seq"_a, "page_size"_a, "Bytes one rank allocates (model/footprint.h), for tests.");
+  m.def("linear_modules",
+        [](const ModelConfig& cfg) {
+          std::vector<std::string> out;
+          for_each_checkpoint_tensor(cfg, [&](const CheckpointTensor& t) {
+            if (t.linear) out.push_back(t.name.substr(0, t.name.size() - 7));  // less ".weight"
+          });
+          return out;
+        },
+        "config"_a, "The decoder's linear modules, as the checkpoint names them (what may be FP8).");
   m.def("cuda_device_count", &cuda_device_count, nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_plugin_error", &cuda_plugin_error);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, nb::call_guard<nb::gil_scoped_release>());

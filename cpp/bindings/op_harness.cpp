@@ -197,6 +197,50 @@ void bind_op_harness(nb::module_& m) {
              h.be().linear_add(xd.t, lin, o.t);
              return h.down(o.t);
            }, "x"_a, "w"_a, "out"_a, "w_dtype"_a)
+      // An FP8 linear (w: values exactly representable in e4m3, scale fp32 [ceil(N / 2^row_shift), ceil(K / 128)])
+      // through op: linear, linear_add (onto res), norm_linear (norm_w None: a unit gain), linear_silu_mul or
+      // norm_linear_silu_mul.
+      .def("fp8_linear",
+           [](OpHarness& h, const std::string& op, F32In x, F32In w, F32In scale, int shift,
+              std::optional<F32In> bias, std::optional<F32In> res, std::optional<F32In> norm_w, float eps,
+              bool f32_out) {
+             Dev xd = h.up(x, h.act()), wdv = h.up(w, DType::F8E4M3), sd = h.up(scale, DType::F32);
+             Linear lin{wdv.t, sd.t, shift};
+             std::optional<Dev> bd;
+             if (bias) bd = h.up(*bias, DType::F32);
+             const Tensor* bp = bd ? &bd->t : nullptr;
+             const int64_t M = xd.t.rows, N = wdv.t.rows;
+             const DType od = f32_out ? DType::F32 : h.act();
+             Dev nw = h.norm_gain(norm_w, xd.t.cols), hd = h.empty(M, xd.t.cols, h.act());
+             const RmsNorm norm{nw.t, eps, false, !norm_w};
+             if (op == "linear" || op == "norm_linear") {
+               Dev o = h.empty(M, N, od);
+               if (op == "linear") h.be().linear(xd.t, lin, bp, o.t);
+               else h.be().norm_linear(xd.t, norm, lin, bp, hd.t, o.t);
+               return h.down(o.t);
+             }
+             if (op == "linear_add") {
+               QRT_CHECK_ARG(res.has_value(), "linear_add needs res");
+               Dev o = h.up(*res, h.act());
+               h.be().linear_add(xd.t, lin, o.t);
+               return h.down(o.t);
+             }
+             QRT_CHECK_ARG(op == "linear_silu_mul" || op == "norm_linear_silu_mul", "unknown op ", op);
+             Dev gu = h.empty(M, N, h.act()), o = h.empty(M, N / 2, h.act());
+             if (op == "linear_silu_mul") h.be().linear_silu_mul(xd.t, lin, gu.t, o.t);
+             else h.be().norm_linear_silu_mul(xd.t, norm, lin, hd.t, gu.t, o.t);
+             return h.down(o.t);
+           }, "op"_a, "x"_a, "w"_a, "scale"_a, "row_shift"_a = 7, "bias"_a.none() = nb::none(),
+           "res"_a.none() = nb::none(), "norm_w"_a.none() = nb::none(), "eps"_a = 1e-6f, "f32_out"_a = false)
+      // Backend::quantize_fp8 of src (uploaded as src_dtype): (the e4m3 values as float32, the scales).
+      .def("quantize_fp8",
+           [](OpHarness& h, F32In src, const std::string& src_dtype) {
+             Dev sd = h.up(src, parse_dtype(src_dtype));
+             const int64_t R = sd.t.rows, C = sd.t.cols, B = kFp8Block;
+             Dev q = h.empty(R, C, DType::F8E4M3), sc = h.empty((R + B - 1) / B, (C + B - 1) / B, DType::F32);
+             h.be().quantize_fp8(sd.t, q.t, sc.t);
+             return std::make_pair(h.down(q.t), h.down(sc.t));
+           }, "src"_a, "src_dtype"_a = "float32")
       .def("scale_columns",
            [](OpHarness& h, F32In w, F32In gain, bool zc) {
              Dev wdv = h.up(w, h.act()), g = h.up(gain, DType::F32);

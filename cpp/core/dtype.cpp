@@ -63,6 +63,21 @@ float f8e4m3_to_f32(uint8_t v) {
   return sign ? -r : r;
 }
 
+uint8_t f32_to_f8e4m3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80);
+  float a = std::fabs(f);
+  if (std::isnan(f)) return uint8_t(sign | 0x7f);
+  if (a > 448.0f) a = 448.0f;
+  if (a < 0.015625f)  // below 2^-6: subnormal steps of 2^-9 (a count of 8 is the smallest normal's code)
+    return uint8_t(sign | uint8_t(std::nearbyint(a * 512.0f)));
+  std::memcpy(&u, &a, 4);
+  u += 0x7ffffu + ((u >> 20) & 1u);  // round the mantissa to 3 bits, to nearest even
+  const int e = int(u >> 23) - 127;
+  return uint8_t(sign | uint8_t((e + 7) << 3) | uint8_t((u >> 20) & 7u));
+}
+
 static inline float load_f32(const void* p, DType t, size_t i) {
   switch (t) {
     case DType::F32: return static_cast<const float*>(p)[i];
@@ -87,6 +102,9 @@ void convert_host(const void* src, DType st, void* dst, DType dt, size_t n) {
       return;
     case DType::F16:
       for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = f32_to_f16(load_f32(src, st, i));
+      return;
+    case DType::F8E4M3:
+      for (size_t i = 0; i < n; ++i) static_cast<uint8_t*>(dst)[i] = f32_to_f8e4m3(load_f32(src, st, i));
       return;
     default:
       throw std::runtime_error(str_cat("convert_host: cannot convert to ", dtype_name(dt)));

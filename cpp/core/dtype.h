@@ -50,6 +50,8 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 float f8e4m3_to_f32(uint8_t v);
+// To float8 e4m3fn (OCP FP8: max 448, no inf), rounded to nearest even; beyond +-448 saturates, NaN stays NaN.
+uint8_t f32_to_f8e4m3(float f);
 
 // Converts n elements between any two float types on the host.
 void convert_host(const void* src, DType src_t, void* dst, DType dst_t, size_t n);

@@ -288,7 +288,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   if (!opt.dummy_weights) {
     files = std::make_unique<WeightFiles>(tensors, opt.check_weights);
     // Every tensor, before any is read or anything allocated.
-    for_each_checkpoint_tensor(cfg, [&](const CheckpointTensor& t) { files->check(t.name, t.rows, t.cols); });
+    for_each_checkpoint_tensor(cfg, [&](const CheckpointTensor& t) {
+      if (t.linear) check_linear(*files, cfg, t.name.substr(0, t.name.size() - 7), t.rows, t.cols);  // less ".weight"
+      else files->check(t.name, t.rows, t.cols);
+    });
   }
 
   ranks.resize(n);

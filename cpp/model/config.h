@@ -35,6 +35,16 @@ struct ModelConfig {
   std::vector<float> rope_inv_freq;  // rot_dim / 2 values
   float rope_attention_factor = 1.0f;
   std::string weight_prefix = "model.";  // tensors are <prefix>layers.N..., lm_head.weight at top level
+  // FP8 linears (decoder projections only: embeddings, LM head, norms and convs never are). fp8_scales: "" (none),
+  // "block" (Qwen's FP8 checkpoints, or quantized at load: one scale per 128 x 128 block), "channel" (one per output
+  // row: compressed-tensors FP8 dynamic) or "tensor" (one per matrix). A checkpoint's FP8 linear keeps its F8_E4M3
+  // `weight` and its scales in `<module>.<fp8_scale_name>`; fp8_online: the checkpoint's weights are 16/32-bit
+  // and are quantized block-wise at load (also dummy weights). fp8_skip: linear modules kept unquantized (checkpoint
+  // names without ".weight", as linear_modules lists them).
+  std::string fp8_scales;
+  std::string fp8_scale_name = "weight_scale_inv";
+  bool fp8_online = false;
+  std::vector<std::string> fp8_skip;
 
   int rot_dim() const { return int(rope_inv_freq.size()) * 2; }
   bool is_delta_net(int layer) const {
@@ -46,6 +56,13 @@ struct ModelConfig {
     return n;
   }
   int num_attention_layers() const { return num_layers - num_delta_net_layers(); }
+  // Whether the linear module (checkpoint name without ".weight") is stored as FP8.
+  bool fp8(const std::string& module) const {
+    if (fp8_scales.empty()) return false;
+    for (const std::string& m : fp8_skip)
+      if (m == module) return false;
+    return true;
+  }
   int q_size() const { return num_q_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };

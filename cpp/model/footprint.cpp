@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "kv/state_cache.h"
 #include "model/layers.h"
@@ -23,19 +24,19 @@ void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(c
     fn({p + "post_attention_layernorm.weight", 1, H});
     if (c.is_delta_net(l)) {
       const std::string a = p + "linear_attn.";
-      fn({a + "in_proj_qkv.weight", conv, H});
-      fn({a + "in_proj_z.weight", vn, H});
-      fn({a + "in_proj_b.weight", Hv, H});
-      fn({a + "in_proj_a.weight", Hv, H});
+      fn({a + "in_proj_qkv.weight", conv, H, true});
+      fn({a + "in_proj_z.weight", vn, H, true});
+      fn({a + "in_proj_b.weight", Hv, H, true});
+      fn({a + "in_proj_a.weight", Hv, H, true});
       fn({a + "conv1d.weight", conv, c.linear_conv_kernel});
       fn({a + "A_log", 1, Hv});
       fn({a + "dt_bias", 1, Hv});
       fn({a + "norm.weight", 1, c.linear_v_dim});
-      fn({a + "out_proj.weight", H, vn});
+      fn({a + "out_proj.weight", H, vn, true});
     } else {
-      fn({p + "self_attn.q_proj.weight", qn * (c.attn_output_gate ? 2 : 1), H});
-      fn({p + "self_attn.k_proj.weight", kn, H});
-      fn({p + "self_attn.v_proj.weight", kn, H});
+      fn({p + "self_attn.q_proj.weight", qn * (c.attn_output_gate ? 2 : 1), H, true});
+      fn({p + "self_attn.k_proj.weight", kn, H, true});
+      fn({p + "self_attn.v_proj.weight", kn, H, true});
       if (c.attn_bias) {
         fn({p + "self_attn.q_proj.bias", 1, qn});
         fn({p + "self_attn.k_proj.bias", 1, kn});
@@ -45,11 +46,11 @@ void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(c
         fn({p + "self_attn.q_norm.weight", 1, D});
         fn({p + "self_attn.k_norm.weight", 1, D});
       }
-      fn({p + "self_attn.o_proj.weight", H, qn});
+      fn({p + "self_attn.o_proj.weight", H, qn, true});
     }
-    fn({p + "mlp.gate_proj.weight", I, H});
-    fn({p + "mlp.up_proj.weight", I, H});
-    fn({p + "mlp.down_proj.weight", H, I});
+    fn({p + "mlp.gate_proj.weight", I, H, true});
+    fn({p + "mlp.up_proj.weight", I, H, true});
+    fn({p + "mlp.down_proj.weight", H, I, true});
   }
   fn({pre + "norm.weight", 1, H});
   if (!c.tie_embeddings) fn({"lm_head.weight", V, H});
@@ -62,23 +63,67 @@ Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
   const double ws = double(dtype_size(s.weights)), as = double(dtype_size(s.act)), f32 = 4;
   const double vocab_pad = std::ceil(double(c.vocab_size) / n);
   const double qn = double(sh.q_heads) * D, kn = double(sh.kv_heads) * D, inter = sh.inter;
-  const bool folded = s.folds_gains && s.weights == s.act && (s.weights == DType::BF16 || s.weights == DType::F16);
+  const bool folds = s.folds_gains && s.weights == s.act && (s.weights == DType::BF16 || s.weights == DType::F16);
   const DeltaNetShape& d = sh.delta;
   const double attn_proj = c.num_attention_layers() ? double(AttentionLayer::proj_cols(c, sh)) : 0;
   const double delta_proj = c.num_delta_net_layers() ? double(DeltaNetLayer::proj_cols(sh)) : 0;
   Footprint f;
-  // Weights (QwenModel::load_weights, model/layers.cpp).
-  double attention = attn_proj * H * ws + H * qn * ws;  // q|k|v(|gate), o
-  if (c.attn_bias) attention += (qn + 2 * kn) * f32;
-  if (c.qk_norm) attention += 2 * D * f32;
-  const double delta = delta_proj * H * ws + double(d.conv_cols()) * d.conv_kernel * as  // in_proj, conv
-                       + (2.0 * d.v_heads + d.v_dim) * f32 + H * double(d.v_cols()) * ws;  // A_log, dt_bias, norm; out
-  const double mlp = 3 * inter * H * ws + (folded ? 0 : 2 * H * f32);  // gate|up, down; the two norm gains
-  f.weights = vocab_pad * H * ws + c.num_attention_layers() * attention + c.num_delta_net_layers() * delta +
-              c.num_layers * mlp;
-  if (!c.tie_embeddings) f.weights += vocab_pad * H * ws;
-  // The final norm's gain: its own unless folded into the LM head; folding keeps a unit gain and a staging gain.
-  f.weights += (folded && !c.tie_embeddings ? 0 : H * f32) + (folded ? 2 * H * f32 : 0);
+  // Weights (QwenModel::load_weights, model/layers.cpp): each linear as WeightLoader::linear allocates it.
+  auto bytes = [&](const LinearSpec& sp) { return linear_layout(sp, c).bytes(sp, s.weights); };
+  auto fp8 = [&](const LinearSpec& sp) { return linear_layout(sp, c).fp8; };
+  bool any_fold = false;
+  auto gain = [&](bool foldable) {  // a norm's gain: none once folded into the linears it feeds
+    if (folds && foldable) return any_fold = true, 0.0;
+    return H * f32;
+  };
+  // One decoder layer (p: "<prefix>layers.N."); layers differ only where fp8_skip names their modules.
+  auto layer = [&](const std::string& p, bool delta_net) {
+    double b = 0;
+    bool fold_in;
+    if (delta_net) {
+      const std::string a = p + "linear_attn.";
+      const LinearSpec in = DeltaNetLayer::in_proj_spec(a, c, sh);
+      b += bytes(in) + bytes(DeltaNetLayer::out_spec(a, c, sh));
+      fold_in = !fp8(in);
+      if (!DeltaNetLayer::fuses_ba(a, c)) {
+        const LinearSpec ba = DeltaNetLayer::ba_spec(a, c, sh);
+        b += bytes(ba);
+        fold_in = fold_in && !fp8(ba);
+      }
+      b += double(d.conv_cols()) * d.conv_kernel * as + (2.0 * d.v_heads + d.v_dim) * f32;  // conv; A_log, dt_bias, norm
+    } else {
+      const std::string a = p + "self_attn.";
+      const LinearSpec qkv = AttentionLayer::qkv_spec(a, c, sh);
+      b += bytes(qkv) + bytes(AttentionLayer::o_spec(a, c, sh));
+      if (c.attn_bias) b += (qn + 2 * kn) * f32;
+      if (c.qk_norm) b += 2 * D * f32;
+      fold_in = !fp8(qkv);
+    }
+    const LinearSpec gate_up = Mlp::gate_up_spec(p + "mlp.", c, sh);
+    b += bytes(gate_up) + bytes(Mlp::down_spec(p + "mlp.", c, sh));
+    return b + gain(fold_in) + gain(!fp8(gate_up));
+  };
+  // The layers fp8_skip names one by one; the others by kind, from one of each (a config of 2^31 layers stays cheap).
+  const std::string layers = c.weight_prefix + "layers.";
+  std::set<int64_t> listed;
+  for (const std::string& m : c.fp8_skip)
+    if (m.compare(0, layers.size(), layers) == 0) {
+      const int64_t l = std::atoll(m.c_str() + layers.size());
+      if (l >= 0 && l < c.num_layers) listed.insert(l);
+    }
+  double weights = 0, listed_delta = 0;
+  for (int64_t l : listed) {
+    weights += layer(layers + std::to_string(l) + ".", c.is_delta_net(int(l)));
+    listed_delta += c.is_delta_net(int(l));
+  }
+  const double other_delta = c.num_delta_net_layers() - listed_delta;
+  const double other_attention = double(c.num_layers) - double(listed.size()) - other_delta;
+  if (other_delta > 0) weights += other_delta * layer(layers + "?.", true);
+  if (other_attention > 0) weights += other_attention * layer(layers + "?.", false);
+  weights += vocab_pad * H * ws * (c.tie_embeddings ? 1 : 2);  // embedding (and LM head)
+  weights += gain(!c.tie_embeddings);                           // the final norm: folds into an untied LM head
+  if (any_fold) weights += 2 * H * f32;                          // folding keeps a unit gain and a staging gain
+  f.weights = weights;
   // Workspace (QwenModel's constructor).
   const double T = s.max_tokens, S = s.max_seqs;
   double rows = 2 * H + 3 * inter;  // residual, norm output, gate|up, act

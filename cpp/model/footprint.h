@@ -15,6 +15,7 @@ namespace qrt {
 struct CheckpointTensor {
   std::string name;
   int64_t rows, cols;
+  bool linear = false;  // a decoder projection's weight (`<module>.weight`): FP8 where the config says (check_linear)
 };
 
 // Calls fn with every tensor QwenModel::load_weights reads, in its order (one at a time: a config of 2^31 layers

@@ -46,21 +46,38 @@ int64_t AttentionLayer::proj_cols(const ModelConfig& c, const Shard& sh) {
   return int64_t(sh.q_heads * (c.attn_output_gate ? 2 : 1) + 2 * sh.kv_heads) * c.head_dim;
 }
 
-void AttentionLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+LinearSpec AttentionLayer::qkv_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
   const int64_t H = c.hidden_size, D = c.head_dim, qn = int64_t(sh.q_heads) * D, kn = int64_t(sh.kv_heads) * D;
   const int64_t q_rows = int64_t(c.num_q_heads) * D * (c.attn_output_gate ? 2 : 1), kv_rows = int64_t(c.num_kv_heads) * D;
-  qkv.w = ld.alloc(ld.dtype(), proj_cols(c, sh), H);
+  LinearSpec s;
+  s.in = H;
+  s.ranks = sh.ranks;
   if (c.attn_output_gate) {  // q_proj rows per head: D of q, then D of the gate; ours: q | k | v | gate
-    for (int i = 0; i < sh.q_heads; ++i) {
-      const int64_t head = sh.q_head0 + i;
-      ld.load(p + "q_proj.weight", q_rows, H, head * 2 * D, 0, qkv.w.row_slice(i * D, D));
-      ld.load(p + "q_proj.weight", q_rows, H, head * 2 * D + D, 0, qkv.w.row_slice(qn + 2 * kn + i * D, D));
-    }
+    s.add(p + "q_proj", q_rows, H, int64_t(sh.q_head0) * 2 * D, D, sh.q_heads, 2 * D);
   } else {
-    ld.load(p + "q_proj.weight", q_rows, H, int64_t(sh.q_head0) * D, 0, qkv.w.row_slice(0, qn));
+    s.add(p + "q_proj", q_rows, H, int64_t(sh.q_head0) * D, qn);
   }
-  ld.load(p + "k_proj.weight", kv_rows, H, int64_t(sh.kv_head0) * D, 0, qkv.w.row_slice(qn, kn));
-  ld.load(p + "v_proj.weight", kv_rows, H, int64_t(sh.kv_head0) * D, 0, qkv.w.row_slice(qn + kn, kn));
+  s.add(p + "k_proj", kv_rows, H, int64_t(sh.kv_head0) * D, kn);
+  s.add(p + "v_proj", kv_rows, H, int64_t(sh.kv_head0) * D, kn);
+  if (c.attn_output_gate)
+    s.add(p + "q_proj", q_rows, H, int64_t(sh.q_head0) * 2 * D + D, D, sh.q_heads, 2 * D);
+  return s;
+}
+
+LinearSpec AttentionLayer::o_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const int64_t H = c.hidden_size, qn = int64_t(sh.q_heads) * c.head_dim;
+  LinearSpec s;
+  s.c0 = int64_t(sh.q_head0) * c.head_dim;
+  s.in = qn;
+  s.ranks = sh.ranks;
+  s.add(p + "o_proj", H, int64_t(c.num_q_heads) * c.head_dim, 0, H);
+  return s;
+}
+
+void AttentionLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const int64_t D = c.head_dim, qn = int64_t(sh.q_heads) * D, kn = int64_t(sh.kv_heads) * D;
+  const int64_t q_rows = int64_t(c.num_q_heads) * D * (c.attn_output_gate ? 2 : 1), kv_rows = int64_t(c.num_kv_heads) * D;
+  qkv = ld.linear(qkv_spec(p, c, sh));
   if (c.attn_bias) {
     bias = ld.alloc(DType::F32, 1, qn + 2 * kn);
     const float sc = WeightLoader::kWeightScale;
@@ -73,8 +90,7 @@ void AttentionLayer::load(WeightLoader& ld, const std::string& p, const ModelCon
     q_norm = ld.vector(p + "q_norm.weight", D, 0, D, 0.f, dummy);
     k_norm = ld.vector(p + "k_norm.weight", D, 0, D, 0.f, dummy);
   }
-  o.w = ld.alloc(ld.dtype(), H, qn);
-  ld.load(p + "o_proj.weight", H, int64_t(c.num_q_heads) * D, 0, int64_t(sh.q_head0) * D, o.w);
+  o = ld.linear(o_spec(p, c, sh));
 }
 
 void AttentionLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh,
@@ -93,29 +109,63 @@ void AttentionLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfi
 
 // --- Gated DeltaNet --------------------------------------------------------------------------------------------
 
+bool DeltaNetLayer::fuses_ba(const std::string& p, const ModelConfig& c) {
+  return c.fp8(p + "in_proj_qkv") == c.fp8(p + "in_proj_b");
+}
+
+LinearSpec DeltaNetLayer::in_proj_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const DeltaNetShape& d = sh.delta;
+  const int64_t H = c.hidden_size, dk = d.k_dim, dv = d.v_dim, Hk = c.linear_k_heads, Hv = c.linear_v_heads;
+  const int64_t conv_all = 2 * Hk * dk + Hv * dv;
+  LinearSpec s;
+  s.in = H;
+  s.ranks = sh.ranks;
+  // The rows of this rank's heads of [q of every key head | k | v], then z.
+  s.add(p + "in_proj_qkv", conv_all, H, sh.k_head0 * dk, d.qk_cols());
+  s.add(p + "in_proj_qkv", conv_all, H, Hk * dk + sh.k_head0 * dk, d.qk_cols());
+  s.add(p + "in_proj_qkv", conv_all, H, 2 * Hk * dk + sh.v_head0 * dv, d.v_cols());
+  s.add(p + "in_proj_z", Hv * dv, H, sh.v_head0 * dv, d.v_cols());
+  if (fuses_ba(p, c)) {
+    s.add(p + "in_proj_b", Hv, H, sh.v_head0, d.v_heads);
+    s.add(p + "in_proj_a", Hv, H, sh.v_head0, d.v_heads);
+  }
+  return s;
+}
+
+LinearSpec DeltaNetLayer::ba_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  LinearSpec s;
+  s.in = c.hidden_size;
+  s.ranks = sh.ranks;
+  s.add(p + "in_proj_b", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
+  s.add(p + "in_proj_a", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
+  return s;
+}
+
+LinearSpec DeltaNetLayer::out_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  LinearSpec s;
+  s.c0 = int64_t(sh.v_head0) * sh.delta.v_dim;
+  s.in = sh.delta.v_cols();
+  s.ranks = sh.ranks;
+  s.add(p + "out_proj", c.hidden_size, int64_t(c.linear_v_heads) * c.linear_v_dim, 0, c.hidden_size);
+  return s;
+}
+
 void DeltaNetLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
   const DeltaNetShape& d = sh.delta;
-  const int64_t H = c.hidden_size, dk = d.k_dim, dv = d.v_dim, K = d.conv_kernel;
+  const int64_t dk = d.k_dim, dv = d.v_dim, K = d.conv_kernel;
   const int64_t Hk = c.linear_k_heads, Hv = c.linear_v_heads, qk = d.qk_cols(), vn = d.v_cols();
   const int64_t conv_all = 2 * Hk * dk + Hv * dv;
-  // The rows of this rank's heads in a [q of every key head | k | v] tensor, at dst rows [0, conv_cols).
-  auto load_qkv_rows = [&](const std::string& name, int64_t cols, Tensor dst) {
-    ld.load(name, conv_all, cols, sh.k_head0 * dk, 0, dst.row_slice(0, qk));
-    ld.load(name, conv_all, cols, Hk * dk + sh.k_head0 * dk, 0, dst.row_slice(qk, qk));
-    ld.load(name, conv_all, cols, 2 * Hk * dk + sh.v_head0 * dv, 0, dst.row_slice(2 * qk, vn));
-  };
-  in_proj.w = ld.alloc(ld.dtype(), proj_cols(sh), H);
-  load_qkv_rows(p + "in_proj_qkv.weight", H, in_proj.w);
-  ld.load(p + "in_proj_z.weight", Hv * dv, H, sh.v_head0 * dv, 0, in_proj.w.row_slice(d.conv_cols(), vn));
-  ld.load(p + "in_proj_b.weight", Hv, H, sh.v_head0, 0, in_proj.w.row_slice(d.conv_cols() + vn, d.v_heads));
-  ld.load(p + "in_proj_a.weight", Hv, H, sh.v_head0, 0, in_proj.w.row_slice(d.conv_cols() + vn + d.v_heads, d.v_heads));
+  in_proj = ld.linear(in_proj_spec(p, c, sh));
+  in_proj_ba = fuses_ba(p, c) ? Linear{} : ld.linear(ba_spec(p, c, sh));
   conv_w = ld.alloc(ld.backend().act_dtype(), d.conv_cols(), K);
-  load_qkv_rows(p + "conv1d.weight", K, conv_w);
+  const std::string conv = p + "conv1d.weight";
+  ld.load(conv, conv_all, K, sh.k_head0 * dk, 0, conv_w.row_slice(0, qk));
+  ld.load(conv, conv_all, K, Hk * dk + sh.k_head0 * dk, 0, conv_w.row_slice(qk, qk));
+  ld.load(conv, conv_all, K, 2 * Hk * dk + sh.v_head0 * dv, 0, conv_w.row_slice(2 * qk, vn));
   a_log = ld.vector(p + "A_log", Hv, sh.v_head0, d.v_heads, 1.0f, 0.f);
   dt_bias = ld.vector(p + "dt_bias", Hv, sh.v_head0, d.v_heads, 0.f, 1.0f);
   norm_w = ld.vector(p + "norm.weight", dv, 0, dv, 0.f, 1.0f);
-  out.w = ld.alloc(ld.dtype(), H, vn);
-  ld.load(p + "out_proj.weight", H, Hv * dv, 0, sh.v_head0 * dv, out.w);
+  out = ld.linear(out_spec(p, c, sh));
 }
 
 void DeltaNetLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh,
@@ -123,7 +173,13 @@ void DeltaNetLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig
   const DeltaNetShape& d = sh.delta;
   const int64_t cc = d.conv_cols(), vn = d.v_cols();
   Tensor proj = s.ws.proj, conv = s.ws.conv, core = s.ws.core;
-  s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, proj);
+  if (in_proj_ba.w.empty()) {
+    s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, proj);
+  } else {  // q|k|v | z, then b | a into the columns after them
+    Tensor main = proj.col_slice(0, cc + vn), ba = proj.col_slice(cc + vn, 2 * int64_t(d.v_heads));
+    s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, main);
+    s.be.norm_linear(s.residual, norm, in_proj_ba, nullptr, s.ws.h, ba);
+  }
   s.be.causal_conv1d(proj.col_slice(0, cc), conv_w, s.batch, d, state, conv);
   s.be.gated_delta_rule(conv, proj.col_slice(cc + vn + d.v_heads, d.v_heads), proj.col_slice(cc + vn, d.v_heads),
                         a_log, dt_bias, s.batch, d, state, core);
@@ -133,13 +189,28 @@ void DeltaNetLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig
 
 // --- MLP -------------------------------------------------------------------------------------------------------
 
-void Mlp::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+LinearSpec Mlp::gate_up_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
   const int64_t H = c.hidden_size, I = c.intermediate_size;
-  gate_up.w = ld.alloc(ld.dtype(), 2 * int64_t(sh.inter), H);
-  ld.load(p + "gate_proj.weight", I, H, sh.inter0, 0, gate_up.w.row_slice(0, sh.inter));
-  ld.load(p + "up_proj.weight", I, H, sh.inter0, 0, gate_up.w.row_slice(sh.inter, sh.inter));
-  down.w = ld.alloc(ld.dtype(), H, sh.inter);
-  ld.load(p + "down_proj.weight", H, I, 0, sh.inter0, down.w);
+  LinearSpec s;
+  s.in = H;
+  s.ranks = sh.ranks;
+  s.add(p + "gate_proj", I, H, sh.inter0, sh.inter);
+  s.add(p + "up_proj", I, H, sh.inter0, sh.inter);
+  return s;
+}
+
+LinearSpec Mlp::down_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  LinearSpec s;
+  s.c0 = sh.inter0;
+  s.in = sh.inter;
+  s.ranks = sh.ranks;
+  s.add(p + "down_proj", c.hidden_size, c.intermediate_size, 0, c.hidden_size);
+  return s;
+}
+
+void Mlp::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  gate_up = ld.linear(gate_up_spec(p, c, sh));
+  down = ld.linear(down_spec(p, c, sh));
 }
 
 void Mlp::forward(LayerStep& s, const RmsNorm& norm) const {

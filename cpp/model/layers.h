@@ -46,7 +46,7 @@ struct LayerStep {
 // sum (one rank: just the add).
 void add_to_residual(LayerStep& s, const Tensor& x, const Linear& w);
 
-// An RMSNorm whose gain is loaded, or folded into the matrix it feeds (loader.folds_gains()).
+// An RMSNorm whose gain is loaded, or folded into the matrices it feeds (WeightLoader::norm_gain).
 struct NormGain {
   Tensor w;
   bool folded = false;
@@ -58,6 +58,9 @@ struct NormGain {
 struct AttentionLayer {
   Linear qkv, o;
   Tensor bias, q_norm, k_norm;
+  // The linears as loaded (prefix: "<weights>layers.N.self_attn."); model/footprint.cpp sizes them from these.
+  static LinearSpec qkv_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
+  static LinearSpec o_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
   void load(WeightLoader& ld, const std::string& prefix, const ModelConfig& c, const Shard& sh);
   // residual += attention(norm(residual)), writing this step's K/V into cache.
   void forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh, KvLayer cache) const;
@@ -65,10 +68,16 @@ struct AttentionLayer {
 };
 
 // Gated DeltaNet: fused in_proj (q|k|v | z | b | a), causal conv + SiLU, the gated delta rule over the slot's
-// state, gated RMSNorm times silu(z), out_proj.
+// state, gated RMSNorm times silu(z), out_proj. Where in_proj_b/a are stored unlike in_proj_qkv/z (Qwen's FP8
+// checkpoints keep them bf16), b|a is a linear of its own (in_proj_ba) writing the same columns of the output.
 struct DeltaNetLayer {
-  Linear in_proj, out;
+  Linear in_proj, in_proj_ba, out;  // in_proj_ba empty when fused into in_proj
   Tensor conv_w, a_log, dt_bias, norm_w;
+  // prefix: "<weights>layers.N.linear_attn.". fuses_ba: whether b|a are rows of in_proj (the same storage).
+  static bool fuses_ba(const std::string& prefix, const ModelConfig& c);
+  static LinearSpec in_proj_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
+  static LinearSpec ba_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);  // when not fused
+  static LinearSpec out_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
   void load(WeightLoader& ld, const std::string& prefix, const ModelConfig& c, const Shard& sh);
   void forward(LayerStep& s, const RmsNorm& norm, const ModelConfig& c, const Shard& sh, StateLayer state) const;
   static int64_t proj_cols(const Shard& sh) { return sh.delta.conv_cols() + sh.delta.v_cols() + 2 * sh.delta.v_heads; }
@@ -77,6 +86,8 @@ struct DeltaNetLayer {
 // SwiGLU: down(silu(gate(x)) * up(x)), gate|up fused.
 struct Mlp {
   Linear gate_up, down;
+  static LinearSpec gate_up_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
+  static LinearSpec down_spec(const std::string& prefix, const ModelConfig& c, const Shard& sh);
   void load(WeightLoader& ld, const std::string& prefix, const ModelConfig& c, const Shard& sh);
   void forward(LayerStep& s, const RmsNorm& norm) const;
 };

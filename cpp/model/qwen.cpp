@@ -35,6 +35,10 @@ void validate(const ModelConfig& c) {
     QRT_CHECK_ARG(c.linear_conv_kernel >= 2 && c.linear_conv_kernel <= 8, "config: linear_conv_kernel_dim ",
                   c.linear_conv_kernel, " is not supported (2 to 8)");
   }
+  QRT_CHECK_ARG(c.fp8_scales.empty() || c.fp8_scales == "block" || c.fp8_scales == "channel" ||
+                    c.fp8_scales == "tensor",
+                "config: FP8 scale format '", c.fp8_scales, "' is not supported (block, channel, tensor)");
+  QRT_CHECK_ARG(!c.fp8_online || c.fp8_scales == "block", "config: FP8 quantization at load uses block scales");
   const int64_t int_max = 0x7fffffff;  // the rows and columns below are int
   QRT_CHECK_ARG(int64_t(c.num_q_heads) * c.head_dim <= int_max && 2 * int64_t(c.intermediate_size) <= int_max,
                 "config: num_attention_heads x head_dim and 2 x intermediate_size must be below 2^31");
@@ -89,7 +93,7 @@ void QwenModel::load_weights(const Progress& progress) {
   const std::string& pre = cfg_.weight_prefix;
   const int H = cfg_.hidden_size, V = cfg_.vocab_size;
   const bool zc = cfg_.zero_centred_norms;
-  WeightLoader ld(be_, ws_, storage_);
+  WeightLoader ld(be_, ws_, cfg_, storage_);
   // Vocab-parallel: this rank holds rows [vocab0_, vocab0_ + vocab_rows_) of the embedding (and LM head),
   // padded with zero rows to vocab_pad_.
   auto load_vocab_shard = [&](const std::string& name) {
@@ -98,9 +102,13 @@ void QwenModel::load_weights(const Progress& progress) {
     if (vocab_rows_ > 0) ld.load(name, V, H, vocab0_, 0, t.row_slice(0, vocab_rows_));
     return t;
   };
-  // A norm that feeds w: its gain, or a unit gain once the gain is folded into w (16-bit weights on a backend
-  // whose fused norm is faster without one).
-  auto norm = [&](const std::string& name, Tensor* w) { return NormGain{ld.norm_gain(name, H, zc, w), ld.folds_gains() && w}; };
+  // A norm that feeds ws: its gain, or a unit gain once the gain is folded into them (16-bit weights on a backend
+  // whose fused norm is faster without one; never FP8 ones).
+  auto norm = [&](const std::string& name, const std::vector<Linear*>& ws) {
+    NormGain g;
+    g.w = ld.norm_gain(name, H, zc, ws, &g.folded);
+    return g;
+  };
   embed_ = load_vocab_shard(pre + "embed_tokens.weight");
   layers_.resize(cfg_.num_layers);
   int attention_layers = 0, delta_layers = 0;
@@ -110,24 +118,25 @@ void QwenModel::load_weights(const Progress& progress) {
     const std::string p = pre + "layers." + std::to_string(l) + ".";
     L.delta_net = cfg_.is_delta_net(l);
     L.cache_index = L.delta_net ? delta_layers++ : attention_layers++;
-    Tensor* mixer_in;
+    std::vector<Linear*> mixer_in;
     if (L.delta_net) {
       L.delta.load(ld, p + "linear_attn.", cfg_, shard_);
-      mixer_in = &L.delta.in_proj.w;
+      mixer_in = {&L.delta.in_proj};
+      if (!L.delta.in_proj_ba.w.empty()) mixer_in.push_back(&L.delta.in_proj_ba);
     } else {
       L.attention.load(ld, p + "self_attn.", cfg_, shard_);
-      mixer_in = &L.attention.qkv.w;
+      mixer_in = {&L.attention.qkv};
     }
     L.mlp.load(ld, p + "mlp.", cfg_, shard_);
     L.input_norm = norm(p + "input_layernorm.weight", mixer_in);
-    L.post_norm = norm(p + "post_attention_layernorm.weight", &L.mlp.gate_up.w);
+    L.post_norm = norm(p + "post_attention_layernorm.weight", {&L.mlp.gate_up});
   }
   if (cfg_.tie_embeddings) {  // the LM head is the embedding table: the gain stays in the norm
     lm_head_.w = embed_;
-    final_norm_ = norm(pre + "norm.weight", nullptr);
+    final_norm_ = norm(pre + "norm.weight", {});
   } else {
     lm_head_.w = load_vocab_shard("lm_head.weight");
-    final_norm_ = norm(pre + "norm.weight", &lm_head_.w);
+    final_norm_ = norm(pre + "norm.weight", {&lm_head_});
   }
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "backend/random.h"
@@ -57,6 +59,9 @@ void WeightFiles::check_finite(const TensorSource& t, const char* src, DType dty
     at = first_nonfinite(reinterpret_cast<const u16*>(src), reinterpret_cast<u16*>(host_dst), n, u16(0x7f80u));
   else if (dtype == DType::F16)
     at = first_nonfinite(reinterpret_cast<const u16*>(src), reinterpret_cast<u16*>(host_dst), n, u16(0x7c00u));
+  else if (dtype == DType::F8E4M3)  // e4m3fn has no inf; NaN is S.1111.111
+    at = first_nonfinite(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(host_dst), n,
+                         uint8_t(0x7fu));
   else if (host_dst)
     std::memcpy(host_dst, src, size_t(n) * dtype_size(dtype));
   if (at == n) return;
@@ -174,8 +179,93 @@ void WeightFiles::read(Backend& be, const std::string& name, int64_t full_rows, 
   }
 }
 
-WeightLoader::WeightLoader(Backend& be, const WeightSpec& spec, std::vector<Buffer>& storage)
-    : be_(be), spec_(spec), storage_(storage) {
+namespace {
+
+// The shape of the scales beside a checkpoint's FP8 matrix [rows, cols], by the config's format.
+std::pair<int64_t, int64_t> scale_shape(const ModelConfig& c, int64_t rows, int64_t cols) {
+  const int64_t B = kFp8Block;
+  if (c.fp8_scales == "channel") return {rows, 1};
+  if (c.fp8_scales == "tensor") return {1, 1};
+  return {(rows + B - 1) / B, (cols + B - 1) / B};
+}
+
+}  // namespace
+
+void WeightFiles::check_scales(const std::string& name, int64_t rows, int64_t cols) const {
+  QRT_CHECK_ARG(has(name), "checkpoint is missing tensor '", name, "' (the scales of an FP8 weight)");
+  const TensorSource& t = find(name);
+  // One scale per row may come as [rows] as well as [rows, 1].
+  if (!(t.shape.size() == 1 && t.shape[0] == rows * cols)) check(name, rows, cols);
+  QRT_CHECK_ARG(t.dtype == "F32" || t.dtype == "BF16" || t.dtype == "F16", "FP8 scales '", name, "' have dtype ",
+                t.dtype, " (expected F32, BF16 or F16)");
+  QRT_CHECK_ARG(t.nbytes == rows * cols * int64_t(dtype_size(parse_dtype(t.dtype))), "FP8 scales '", name, "' have ",
+                t.nbytes, " bytes for ", rows * cols, " values");
+}
+
+std::vector<float> WeightFiles::read_scales(const std::string& name, int64_t rows, int64_t cols) {
+  check_scales(name, rows, cols);
+  const TensorSource& t = find(name);
+  std::vector<float> v(size_t(rows * cols));
+  convert_host(data_of(t), parse_dtype(t.dtype), v.data(), DType::F32, v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    QRT_CHECK_ARG(std::isfinite(v[i]) && v[i] >= 0.f, "FP8 scales '", name, "' hold ", v[i], " at element ", i,
+                  " (scales must be finite and not negative)");
+  return v;
+}
+
+double LinearLayout::bytes(const LinearSpec& s, DType dtype) const {
+  if (!fp8) return double(s.out) * double(s.in) * double(dtype_size(dtype));
+  return double(s.out) * double(s.in) + double(scale_rows) * double(scale_cols) * 4;
+}
+
+LinearLayout linear_layout(const LinearSpec& s, const ModelConfig& c) {
+  QRT_CHECK(!s.parts.empty() && s.out > 0 && s.in > 0, "linear_layout: an empty linear");
+  const std::string& name = s.parts[0].module;
+  LinearLayout L;
+  L.fp8 = c.fp8(name);
+  for (const LinearPart& p : s.parts)
+    QRT_CHECK_ARG(c.fp8(p.module) == L.fp8, "linear '", name, "' is fused with '", p.module, "', but only one of ",
+                  "them is FP8 (modules_to_not_convert / ignore must name both or neither)");
+  if (!L.fp8) return L;
+  const bool channel = c.fp8_scales == "channel", tensor = c.fp8_scales == "tensor";
+  QRT_CHECK_ARG(channel || tensor || c.fp8_scales == "block", "unknown FP8 scale format '", c.fp8_scales, "'");
+  const int64_t B = kFp8Block, cols = s.parts[0].cols;
+  if (!channel && !tensor)
+    QRT_CHECK_ARG(s.c0 % B == 0 && (s.in % B == 0 || s.c0 + s.in == cols), "FP8 layer '", name,
+                  "': tensor_parallel_size ", s.ranks, " splits its 128-column scale blocks (", cols,
+                  " columns, ", s.in, " per rank; each rank's share must be a multiple of 128)");
+  int64_t bs = B;  // rows per scale row: a power of two dividing 128, every part's start, length and first row
+  for (const LinearPart& p : s.parts) {  // pieces start at dst + i n and r0 + i step
+    bs = std::gcd(std::gcd(bs, p.dst), p.n);
+    bs = channel ? 1 : std::gcd(std::gcd(bs, p.r0), p.count > 1 ? p.step : 0);
+  }
+  while ((int64_t(1) << L.row_shift) > bs) --L.row_shift;
+  L.scale_rows = s.out >> L.row_shift;
+  L.scale_cols = (s.in + B - 1) / B;
+  return L;
+}
+
+void check_linear(const WeightFiles& files, const ModelConfig& c, const std::string& module, int64_t rows,
+                  int64_t cols) {
+  const std::string w = module + ".weight";
+  files.check(w, rows, cols);
+  const std::string& dt = files.find(w).dtype;
+  const bool stored_fp8 = dt == "F8_E4M3";
+  if (!c.fp8(module) || c.fp8_online) {
+    QRT_CHECK_ARG(!stored_fp8, "tensor '", w, "' is F8_E4M3, but ",
+                  c.fp8_scales.empty() || c.fp8_online ? "config.json has no FP8 quantization_config"
+                                                       : "the quantization_config keeps this module unquantized "
+                                                         "(modules_to_not_convert / ignore)");
+    return;
+  }
+  QRT_CHECK_ARG(stored_fp8, "tensor '", w, "' is ", dt, ", but the quantization_config makes it FP8 (F8_E4M3 ",
+                "with scales; modules_to_not_convert / ignore name the modules kept in higher precision)");
+  const auto [sr, sc] = scale_shape(c, rows, cols);
+  files.check_scales(module + "." + c.fp8_scale_name, sr, sc);
+}
+
+WeightLoader::WeightLoader(Backend& be, const WeightSpec& spec, const ModelConfig& cfg, std::vector<Buffer>& storage)
+    : be_(be), spec_(spec), cfg_(cfg), storage_(storage) {
   folds_ = be.folds_norm_gains() && spec.dtype == be.act_dtype() && (spec.dtype == DType::BF16 || spec.dtype == DType::F16);
 }
 
@@ -197,13 +287,97 @@ Tensor WeightLoader::vector(const std::string& name, int64_t size, int64_t c0, i
   return t;
 }
 
-Tensor WeightLoader::norm_gain(const std::string& name, int64_t n, bool zero_centred, Tensor* w) {
+Tensor WeightLoader::staging(int which, DType t, int64_t rows, int64_t cols) {
+  const size_t need = size_t(rows) * size_t(cols) * dtype_size(t);
+  if (scratch_[which].bytes() < need) scratch_[which] = Buffer(&be_, need);
+  return scratch_[which].tensor(t, rows, cols);
+}
+
+Linear WeightLoader::linear(const LinearSpec& s) {
+  const LinearLayout L = linear_layout(s, cfg_);
+  Linear lin;
+  if (!L.fp8) {
+    lin.w = alloc(dtype(), s.out, s.in);
+    for (const LinearPart& part : s.parts)
+      for (int64_t i = 0; i < part.count; ++i) {
+        const LinearPart p = part.piece(i);
+        load(p.module + ".weight", p.rows, p.cols, p.r0, s.c0, lin.w.row_slice(p.dst, p.n));
+      }
+    return lin;
+  }
+  lin.w = alloc(DType::F8E4M3, s.out, s.in);
+  lin.scale = alloc(DType::F32, L.scale_rows, L.scale_cols);
+  lin.scale_row_shift = L.row_shift;
+  std::vector<float> grid(size_t(L.scale_rows * L.scale_cols));
+  for (const LinearPart& part : s.parts)
+    for (int64_t i = 0; i < part.count; ++i) {
+      if (dummy() || cfg_.fp8_online) quantize_fp8(part.piece(i), s, L, lin, grid);
+      else read_fp8(part.piece(i), s, L, lin, grid);
+    }
+  be_.upload(lin.scale.data, grid.data(), grid.size() * 4);
+  return lin;
+}
+
+void WeightLoader::read_fp8(const LinearPart& p, const LinearSpec& s, const LinearLayout& L, Linear& lin,
+                            std::vector<float>& grid) {
+  const std::string w = p.module + ".weight";
+  QRT_CHECK_ARG(spec_.files->find(w).dtype == "F8_E4M3", "tensor '", w, "' is ", spec_.files->find(w).dtype,
+                ", but the quantization_config makes it FP8");
+  Tensor dst = lin.w.row_slice(p.dst, p.n);
+  spec_.files->read(be_, w, p.rows, p.cols, p.r0, s.c0, dst);
+  const auto [sr, sc] = scale_shape(cfg_, p.rows, p.cols);
+  const std::vector<float> src = spec_.files->read_scales(p.module + "." + cfg_.fp8_scale_name, sr, sc);
+  const int sh = L.row_shift;
+  const int64_t B = kFp8Block;
+  for (int64_t i = p.dst >> sh; i < (p.dst + p.n) >> sh; ++i) {
+    const int64_t row = p.r0 + (i << sh) - p.dst;  // the checkpoint row of the fused scale row i
+    for (int64_t j = 0; j < L.scale_cols; ++j)
+      grid[size_t(i * L.scale_cols + j)] = cfg_.fp8_scales == "channel" ? src[size_t(row)]
+                                           : cfg_.fp8_scales == "tensor" ? src[0]
+                                                                         : src[size_t(row / B * sc + s.c0 / B + j)];
+  }
+}
+
+void WeightLoader::quantize_fp8(const LinearPart& p, const LinearSpec& s, const LinearLayout& L, Linear& lin,
+                                std::vector<float>& grid) {
+  const std::string w = p.module + ".weight";
+  const int64_t B = kFp8Block, K = s.in, sh = L.row_shift;
+  const uint64_t seed = hash3(spec_.dummy_seed, counter_++, 0);
+  // The whole 128-row blocks of the checkpoint matrix that hold the part's rows, some at a time.
+  const int64_t first = p.r0 / B * B, last = std::min(p.rows, (p.r0 + p.n + B - 1) / B * B);
+  const int64_t chunk = std::max<int64_t>(B, (int64_t(32) << 20) / std::max<int64_t>(1, K * 4) / B * B);
+  std::vector<float> host;
+  for (int64_t a = first; a < last; a += chunk) {
+    const int64_t b = std::min(last, a + chunk), m = b - a;
+    Tensor src = staging(0, DType::F32, m, K), q = staging(1, DType::F8E4M3, m, K);
+    Tensor sc = staging(2, DType::F32, (m + B - 1) / B, L.scale_cols);
+    if (spec_.files) spec_.files->read(be_, w, p.rows, p.cols, a, s.c0, src);
+    else be_.fill_random(src, seed, kWeightScale, 0.f, a, s.c0);
+    be_.quantize_fp8(src, q, sc);
+    const int64_t lo = std::max(a, p.r0), hi = std::min(b, p.r0 + p.n);
+    if (hi <= lo) continue;
+    be_.copy(lin.w.row_slice(p.dst + lo - p.r0, hi - lo).data, q.row_slice(lo - a, hi - lo).data, size_t((hi - lo) * K));
+    host.resize(size_t(sc.numel()));
+    be_.download(host.data(), sc.data, host.size() * 4);
+    for (int64_t i = (p.dst + lo - p.r0) >> sh; i <= (p.dst + hi - p.r0 - 1) >> sh; ++i) {
+      const int64_t row = p.r0 + (i << sh) - p.dst;
+      for (int64_t j = 0; j < L.scale_cols; ++j)
+        grid[size_t(i * L.scale_cols + j)] = host[size_t((row - a) / B * L.scale_cols + j)];
+    }
+  }
+}
+
+Tensor WeightLoader::norm_gain(const std::string& name, int64_t n, bool zero_centred, const std::vector<Linear*>& ws,
+                               bool* folded) {
   const float dummy = zero_centred ? 0.f : 1.f;
-  if (!folds_ || !w) return vector(name, n, 0, n, 0.f, dummy);
+  bool fold = folds_ && !ws.empty();
+  for (const Linear* l : ws) fold = fold && !l->fp8();
+  if (folded) *folded = fold;
+  if (!fold) return vector(name, n, 0, n, 0.f, dummy);
   Tensor& g = staging_[n];
   if (g.empty()) g = alloc(DType::F32, 1, n);
   load(name, 1, n, 0, 0, g, 0.f, dummy);
-  be_.scale_columns(*w, g, zero_centred);
+  for (Linear* l : ws) be_.scale_columns(l->w, g, zero_centred);
   Tensor& one = ones_[n];
   if (one.empty()) {
     one = alloc(DType::F32, 1, n);

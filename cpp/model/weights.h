@@ -11,6 +11,7 @@
 
 #include "backend/ops.h"
 #include "core/buffer.h"
+#include "model/config.h"
 
 namespace qrt {
 
@@ -41,6 +42,11 @@ class WeightFiles {
   // (backend memory, any float dtype), converting the dtype. Checks the full shape first.
   void read(Backend& be, const std::string& name, int64_t full_rows, int64_t full_cols, int64_t r0,
             int64_t c0, Tensor& dst);
+  // Throws std::invalid_argument unless the named tensor is there, [rows, cols] (or [rows * cols]), F32/BF16/F16.
+  void check_scales(const std::string& name, int64_t rows, int64_t cols) const;
+  // The whole named tensor of [rows, cols] as fp32 on the host: FP8 scales. Throws std::invalid_argument naming it
+  // when it is missing, mis-shaped, not a 16/32-bit float, or holds a NaN, an inf or a negative value.
+  std::vector<float> read_scales(const std::string& name, int64_t rows, int64_t cols);
 
  private:
   struct Mapping { void* base = nullptr; size_t size = 0; };
@@ -60,8 +66,49 @@ class WeightFiles {
 struct WeightSpec {
   WeightFiles* files = nullptr;  // null: random weights (load_format "dummy")
   uint64_t dummy_seed = 0;
-  DType dtype = DType::F32;      // storage dtype of matrices and embeddings
+  DType dtype = DType::F32;      // storage dtype of matrices and embeddings (FP8 linears: ModelConfig::fp8)
 };
+
+// A linear as a layer loads it: parts of checkpoint matrices stacked into one matrix [out, in] (q|k|v, gate|up),
+// each part rows [r0, r0 + n) of `module`.weight [rows, cols] at rows [dst, dst + n); every part gives the columns
+// [c0, c0 + in) (a rank's share of a row-parallel layer; else all of them). ranks: the tensor-parallel size, for
+// messages.
+// count > 1: that many pieces of n rows, piece i from checkpoint row r0 + i * step to row dst + i * n (the q rows
+// of a gated q_proj, head by head).
+struct LinearPart {
+  std::string module;  // checkpoint name without ".weight"
+  int64_t rows = 0, cols = 0, r0 = 0, n = 0, dst = 0, count = 1, step = 0;
+  LinearPart piece(int64_t i) const { return {module, rows, cols, r0 + i * step, n, dst + i * n, 1, 0}; }
+};
+struct LinearSpec {
+  std::vector<LinearPart> parts;
+  int64_t out = 0, c0 = 0, in = 0;
+  int ranks = 1;
+  void add(const std::string& module, int64_t rows, int64_t cols, int64_t r0, int64_t n, int64_t count = 1,
+           int64_t step = 0) {
+    parts.push_back({module, rows, cols, r0, n, out, count, step});
+    out += n * count;
+  }
+};
+
+// How a linear is stored: FP8 (every part's module FP8 by the config) or not, and the FP8 scale grid: the largest
+// power-of-two row block (at most 128) within which every fused row maps to one checkpoint scale row (parts and
+// a rank's rows need not start at multiples of 128), and column blocks of 128 from the rank's first column.
+// Throws std::invalid_argument naming the layer when its parts differ in storage, or when block scales would be
+// split by the rank's columns (tensor parallelism must cut a row-parallel FP8 layer at multiples of 128 columns).
+struct LinearLayout {
+  bool fp8 = false;
+  int row_shift = 7;
+  int64_t scale_rows = 0, scale_cols = 0;
+  double bytes(const LinearSpec& s, DType dtype) const;  // what WeightLoader::linear allocates
+};
+LinearLayout linear_layout(const LinearSpec& s, const ModelConfig& c);
+
+// Checks before loading that a linear module's checkpoint tensors are what the config says (std::invalid_argument
+// naming the tensor): `<module>.weight` of [rows, cols], F8_E4M3 with a scale tensor of the format's shape where
+// the module is FP8 (not quantized at load), else not F8_E4M3.
+void check_linear(const WeightFiles& files, const ModelConfig& c, const std::string& module, int64_t rows,
+                  int64_t cols);
 
 // Allocates one rank's weights on its backend and fills them from the checkpoint (the rank's slice of a tensor) or
 // with random values (dummy: each load draws the next seed, so ranks loading in the same order get slices of the
@@ -69,7 +116,7 @@ struct WeightSpec {
 class WeightLoader {
  public:
   static constexpr float kWeightScale = 0.034641016f;  // dummy matrices: uniform with std 0.02 (0.02 * sqrt(3))
-  WeightLoader(Backend& be, const WeightSpec& spec, std::vector<Buffer>& storage);
+  WeightLoader(Backend& be, const WeightSpec& spec, const ModelConfig& cfg, std::vector<Buffer>& storage);
   Backend& backend() const { return be_; }
   DType dtype() const { return spec_.dtype; }
   bool dummy() const { return spec_.files == nullptr; }
@@ -79,18 +126,33 @@ class WeightLoader {
   // fma(scale, uniform(-1, 1), offset).
   void load(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t c0, Tensor dst,
             float dummy_scale = kWeightScale, float dummy_offset = 0.f);
+  // A (fused) linear: FP8 with its scale grid (linear_layout) where the config makes its modules FP8 (read from
+  // the checkpoint, or quantized block-wise at load from its weights or dummy ones: the blocks of the whole
+  // checkpoint matrix, so a rank's share equals that rows' share of the unsharded model), else in dtype().
+  Linear linear(const LinearSpec& spec);
   // Columns [c0, c0 + n) of the vector `name` of `size` values, as fp32 [1, n].
   Tensor vector(const std::string& name, int64_t size, int64_t c0, int64_t n, float dummy_scale, float dummy_offset);
   // Whether norm gains are multiplied into the matrices they feed (a backend's fused norm is faster without one).
   bool folds_gains() const { return folds_; }
-  // The gain [1, n] of the norm `name` that feeds w: loaded, or folded into w (then a gain of ones, shared).
-  // zero_centred: the gain is 1 + w (Qwen3.5). Dummy gains: 1 (0 when zero-centred).
-  Tensor norm_gain(const std::string& name, int64_t n, bool zero_centred, Tensor* w);
+  // The gain [1, n] of the norm `name` that feeds the linears ws: loaded, or folded into them (then a gain of ones,
+  // shared). Folded only where folds_gains() and no linear of ws is FP8 (a gain multiplied into FP8 values would
+  // need requantizing: not exact). zero_centred: the gain is 1 + w (Qwen3.5). Dummy gains: 1 (0 when zero-centred).
+  // Returns whether it folded through *folded.
+  Tensor norm_gain(const std::string& name, int64_t n, bool zero_centred, const std::vector<Linear*>& ws,
+                   bool* folded);
 
  private:
+  // FP8 parts: rows [r0, r0 + n) of the checkpoint's F8_E4M3 matrix and their scales into grid (host, the
+  // layout's [scale_rows, scale_cols]); or quantized at load.
+  void read_fp8(const LinearPart& p, const LinearSpec& s, const LinearLayout& L, Linear& lin, std::vector<float>& grid);
+  void quantize_fp8(const LinearPart& p, const LinearSpec& s, const LinearLayout& L, Linear& lin,
+                    std::vector<float>& grid);
+  Tensor staging(int which, DType t, int64_t rows, int64_t cols);  // scratch of the loader, freed with it
   Backend& be_;
   WeightSpec spec_;
+  const ModelConfig& cfg_;
   std::vector<Buffer>& storage_;
+  Buffer scratch_[3];
   uint64_t counter_ = 0;
   bool folds_ = false;
   std::map<int64_t, Tensor> ones_, staging_;  // by width: unit gains, and the buffer a folded gain is read into

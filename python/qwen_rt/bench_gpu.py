@@ -93,16 +93,22 @@ def _cfg_numbers(cfg: dict) -> dict:
     delta = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H
     return dict(H=H, L=L, V=V, hq=hq, hkv=hkv, D=D, n_attn=n_attn, n_delta=n_delta,
                 matmul_params=n_attn * attn + n_delta * delta + L * 3 * H * inter, lm_head=V * H,
+                ba_params=n_delta * 2 * hv * H,  # DeltaNet in_proj_b|a: 16-bit in FP8 models too
                 kv_bytes_per_token=n_attn * 2 * hkv * D * 2, state_bytes=n_delta * hv * dk * dv * 4,
                 delta_flops_per_token=n_delta * hv * dk * dv * 8, tied=bool(cfg.get("tie_word_embeddings")))
 
 
-def step_bytes(cfg: dict, batch: int, ctx: float) -> float:
+def step_bytes(cfg: dict, batch: int, ctx: float, quantization: str | None = None) -> float:
     """Bytes one decode step must read in bf16: every matrix once, the LM head, the norms, the KV of every
-    sequence, and each sequence's DeltaNet state read and written (hybrid models)."""
+    sequence, and each sequence's DeltaNet state read and written (hybrid models). quantization "fp8": the
+    projections (but DeltaNet in_proj_b|a) at a byte per weight plus a 4-byte scale per 128 x 128 block."""
     c = _cfg_numbers(cfg)
     norms = c["L"] * (2 * c["H"] + 2 * c["D"]) * 4 + c["H"] * 4
-    return (2 * (c["matmul_params"] + c["lm_head"]) + norms + batch * ctx * c["kv_bytes_per_token"]
+    matrices = 2 * c["matmul_params"]
+    if quantization == "fp8":
+        fp8 = c["matmul_params"] - c["ba_params"]
+        matrices = fp8 + fp8 / (128 * 128) * 4 + 2 * c["ba_params"]
+    return (matrices + 2 * c["lm_head"] + norms + batch * ctx * c["kv_bytes_per_token"]
             + batch * 2 * c["state_bytes"])
 
 
@@ -115,6 +121,7 @@ def prefill_flops(cfg: dict, n: int) -> float:
 
 
 TP = 1  # --tensor-parallel-size
+QUANT = None  # --quantization: None or "fp8" (the dummy weights quantized at load)
 
 
 def _gen(model, **kw):
@@ -123,6 +130,7 @@ def _gen(model, **kw):
     from qwen_rt import Generator
     kw.setdefault("tensor_parallel_size", TP)
     kw.setdefault("enable_prefix_caching", False)
+    kw.setdefault("quantization", QUANT)
     return Generator(model, device="cuda", dtype="bfloat16", load_format=kw.pop("load_format", "dummy"),
                      progress=False, **kw)
 
@@ -159,8 +167,8 @@ def bench_decode(model: str, batches, prompt_len: int, new_tokens: int, limits: 
             ps = _prompts(rng, b, prompt_len, cfg["vocab_size"])
             step, tn = decode_step(g, ps, new_tokens)
             ctx = prompt_len + new_tokens / 2
-            mbu = step_bytes(cfg, b, ctx) / TP / step / limits["copy_bw"]  # each GPU reads its share
-            rows.append({"model": model, "tp": TP, "batch": b, "step_ms": round(step * 1e3, 3),
+            mbu = step_bytes(cfg, b, ctx, QUANT) / TP / step / limits["copy_bw"]  # each GPU reads its share
+            rows.append({"model": model, "quantization": QUANT, "tp": TP, "batch": b, "step_ms": round(step * 1e3, 3),
                          "decode_tok_s": round(b / step, 1), "mbu": round(mbu, 3),
                          "e2e_tok_s": round(b * new_tokens / tn, 1)})
             if rows[0]["batch"] == 1:  # concurrency speed-up: output tok/s at this batch over batch 1's
@@ -310,7 +318,7 @@ def bench_startup(model: str, rng) -> list[dict]:
         from qwen_rt import Generator
         t = time.perf_counter()
         g = Generator(d, device="cuda", progress=False, max_batch_size=8, max_model_len=4096, tensor_parallel_size=TP,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, quantization=QUANT)
         t_init = time.perf_counter() - t
         g.generate([[1, 2, 3, 4]], max_tokens=1)
         t_first = time.perf_counter() - t
@@ -355,6 +363,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-caches", default="dynamic,static,static+compile", help="dynamic, static, static+compile")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the weights quantized at load (block-128 FP8, as Qwen's FP8 checkpoints); the "
+                        "roofline counts the FP8 bytes and scales")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
     p.add_argument("--plot", default=None, metavar="PATH",
@@ -366,14 +377,15 @@ def run(args) -> int:
     from qwen_rt.bench import _git_commit
     from qwen_rt.cli import print_table
     rng = np.random.default_rng(args.seed)
-    global TP
+    global TP, QUANT
     TP = args.tensor_parallel_size
+    QUANT = args.quantization
     parts = set(x.strip() for x in args.parts.split(","))
     limits = measure_limits()
     log(f"measured: copy {limits['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     torch = _torch()
     rec = {"device": torch.cuda.get_device_name(0), "limits": limits, "date": time.strftime("%Y-%m-%d"),
-           "commit": _git_commit()}
+           "commit": _git_commit(), "quantization": QUANT}
     batches = [int(x) for x in args.decode_batches.split(",")]
     if "decode" in parts:
         rec["decode"] = []

@@ -6,6 +6,7 @@ by it or hands it to the engine's int32 fields."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -185,17 +186,117 @@ def _check_full_attention(cfg: dict, context: int) -> None:
                          "supported")
 
 
-def native_config(cfg: dict) -> "_core.ModelConfig":
-    """Checks config.json and converts it; ValueError naming what is missing or unsupported."""
+QUANTIZATIONS = ("fp8",)
+MAX_FP8_LAYERS = 65536  # FP8 modules are matched one by one against modules_to_not_convert / ignore
+
+
+def fp8_format(cfg: dict) -> tuple[str, str, list] | None:
+    """(scale format, scale tensor name, modules kept unquantized) of config.json's quantization_config, None
+    without one; ValueError for a quantization the engine cannot run. Qwen's FP8 checkpoints (quant_method fp8,
+    e4m3, 128 x 128 blocks, weight_scale_inv) and compressed-tensors FP8 (weight_scale per channel, tensor or
+    128 x 128 block) are read; activations are not quantized (weight-only FP8)."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"config.json's quantization_config must be an object, got {q!r}"[:300])
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"FP8 checkpoints of fmt {q.get('fmt')!r} are not supported (e4m3)"[:300])
+        if q.get("weight_block_size") != [128, 128]:
+            raise ValueError(f"fp8 checkpoints with weight_block_size {q.get('weight_block_size')!r} are not "
+                             "supported (Qwen's [128, 128] blocks)"[:300])
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"fp8 checkpoints with activation_scheme {q.get('activation_scheme')!r} are not "
+                             "supported (dynamic)"[:300])
+        return "block", "weight_scale_inv", _pattern_list(q, "modules_to_not_convert")
+    if method == "compressed-tensors":
+        groups = q.get("config_groups")
+        if q.get("format") != "float-quantized" or not isinstance(groups, dict) or len(groups) != 1:
+            raise ValueError(f"compressed-tensors checkpoints of format {q.get('format')!r} are not supported (FP8 "
+                             "weights, format float-quantized, one config group)"[:300])
+        g = next(iter(groups.values()))
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8 or g.get("targets") != ["Linear"]:
+            raise ValueError(f"compressed-tensors weights {w!r} are not supported (8-bit float, targets "
+                             "['Linear'])"[:300])
+        strategy = w.get("strategy")
+        if strategy == "block" and w.get("block_structure") == [128, 128]:
+            strategy = "block"
+        elif strategy not in ("channel", "tensor"):
+            raise ValueError(f"compressed-tensors FP8 weights of strategy {strategy!r} are not supported (channel, "
+                             "tensor, block of [128, 128])"[:300])
+        if q.get("kv_cache_scheme"):
+            raise ValueError("compressed-tensors kv_cache_scheme (an FP8 KV cache) is not supported")
+        return strategy, "weight_scale", _pattern_list(q, "ignore")
+    raise ValueError(f"quantized checkpoints (quant_method {method!r}) are not supported: FP8 ones (fp8, "
+                     "compressed-tensors) are; else use the model's bf16/fp16 release"[:300])
+
+
+def _pattern_list(q: dict, key: str) -> list:
+    v = q.get(key) or []
+    if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+        raise ValueError(f"quantization_config's {key} must be a list of module names, got {v!r}"[:300])
+    for p in v:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise ValueError(f"quantization_config's {key} holds a bad regular expression {p!r}: {e}"[:300]) from None
+    return v
+
+
+def _name_forms(module: str) -> tuple[str, ...]:
+    """A module's name with and without the multimodal layout's prefix (model.language_model. / model.)."""
+    if module.startswith(MULTIMODAL_PREFIX):
+        return module, "model." + module[len(MULTIMODAL_PREFIX):]
+    if module.startswith("model."):
+        return module, MULTIMODAL_PREFIX + module[len("model."):]
+    return (module,)
+
+
+def skips_module(pattern: str, module: str) -> bool:
+    """Whether a modules_to_not_convert / ignore entry names the module: 're:' and a regular expression matched
+    at the start (compressed-tensors), else the module, a module holding it ('model.layers.3') or its last
+    components ('in_proj_a', 'linear_attn.in_proj_b'); either name form matches (with or without the
+    model.language_model. prefix)."""
+    for m in _name_forms(module):
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], m):
+                return True
+        elif m == pattern or m.startswith(pattern + ".") or m.endswith("." + pattern):
+            return True
+    return False
+
+
+def set_fp8(c: "_core.ModelConfig", cfg: dict, quantization) -> None:
+    """FP8 linears of c (c.weight_prefix set): those of an FP8 checkpoint but what its quantization_config keeps
+    unquantized, or with quantization="fp8" on a 16/32-bit checkpoint every decoder projection quantized at load
+    but in_proj_a / in_proj_b (as Qwen's FP8 checkpoints keep them)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    fmt = fp8_format(cfg)
+    if fmt is None and quantization is None:
+        return
+    if c.num_layers > MAX_FP8_LAYERS:
+        raise ValueError(f"FP8 weights for {c.num_layers} layers: at most {MAX_FP8_LAYERS} are supported")
+    modules = _core.linear_modules(c)
+    if fmt is None:  # quantized at load
+        c.fp8_scales, c.fp8_online = "block", True
+        c.fp8_skip = [m for m in modules if m.endswith((".in_proj_a", ".in_proj_b"))]
+        return
+    c.fp8_scales, c.fp8_scale_name, patterns = fmt
+    c.fp8_skip = [m for m in modules if any(skips_module(p, m) for p in patterns)]
+
+
+def native_config(cfg: dict, weight_prefix: str = "model.", quantization=None) -> "_core.ModelConfig":
+    """Checks config.json and converts it; ValueError naming what is missing or unsupported. weight_prefix: where
+    the checkpoint keeps the decoder's tensors; quantization: None or "fp8" (quantize the linears at load)."""
     arch = architecture(cfg)
     c = _core.ModelConfig()
     c.arch = arch
-
-    q = cfg.get("quantization_config")
-    if q:
-        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
-        raise ValueError(f"quantized checkpoints (quant_method {method!r}) are not supported yet: use the model's "
-                         "bf16/fp16 release"[:300])
+    fp8_format(cfg)  # a quantization the engine cannot run is refused first
     c.vocab_size = config_int(cfg, "vocab_size")
     c.hidden_size = config_int(cfg, "hidden_size")
     c.num_layers = config_int(cfg, "num_hidden_layers")
@@ -231,7 +332,8 @@ def native_config(cfg: dict) -> "_core.ModelConfig":
     inv, af = rope_inv_freq(cfg, rotary_dim(cfg, arch, c.head_dim))
     c.rope_inv_freq = [float(x) for x in inv]
     c.rope_attention_factor = af
-    c.weight_prefix = "model."
+    c.weight_prefix = weight_prefix
+    set_fp8(c, cfg, quantization)
     return c
 
 

@@ -309,7 +309,7 @@ class Generator:
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
-                 check_weights: bool = True):
+                 check_weights: bool = True, quantization: str | None = None):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -346,6 +346,8 @@ class Generator:
                         ("progress", progress), ("check_weights", check_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        if quantization is not None and not isinstance(quantization, str):
+            raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if comm not in ("auto", "nccl"):
@@ -358,12 +360,12 @@ class Generator:
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
         self.generation_config = dict(files.generation_config)
-        ncfg = native_config(self.config)
+        # Qwen3.5's multimodal layout keeps the text weights under model.language_model.
+        prefix = MULTIMODAL_PREFIX if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors) else "model."
+        ncfg = native_config(self.config, prefix, quantization)
         if auto_batch and dev == "cuda" and "linear_attention" in ncfg.layer_types:
             # Hybrid models keep a DeltaNet state per slot (Qwen3.8-27B: ~150 MB each): fewer slots by default.
             max_batch_size = 64
-        if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors):  # Qwen3.5's multimodal layout
-            ncfg.weight_prefix = MULTIMODAL_PREFIX
         # As transformers 5: tied embeddings, but the checkpoint has its own, different lm_head: that one is used.
         head = files.tensors.get("lm_head.weight")
         embed = files.tensors.get(ncfg.weight_prefix + "embed_tokens.weight")
@@ -415,6 +417,7 @@ class Generator:
         self.device = f"{dev}:{index}" if dev == "cuda" else "cpu"
         self.dtype = adt
         self.weight_dtype = wdt
+        self.quantization = "fp8" if ncfg.fp8_scales else None  # FP8 linears (from the checkpoint or at load)
         st = self._engine.stats()
         self.max_model_len = st["max_model_len"]
         # The most tokens one request can reach: max_model_len, or fewer where the KV pool holds fewer (it holds

@@ -200,13 +200,14 @@ class CpuBackend final : public Backend {
     });
   }
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override {
-    QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
-    cpu::gemm(x, w.w, bias, out, pool_);
+    if (w.fp8()) cpu::gemm_fp8(x, w, bias, out, pool_);
+    else cpu::gemm(x, w.w, bias, out, pool_);
   }
   void linear_add(const Tensor& x, const Linear& w, Tensor& out) override {
-    QRT_CHECK(w.scale.empty(), "cpu linear: FP8 weights are not supported on the CPU backend yet");
-    cpu::gemm(x, w.w, nullptr, out, pool_, /*accumulate=*/true);
+    if (w.fp8()) cpu::gemm_fp8(x, w, nullptr, out, pool_, /*accumulate=*/true);
+    else cpu::gemm(x, w.w, nullptr, out, pool_, /*accumulate=*/true);
   }
+  void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale) override { cpu::quantize_fp8(src, q, scale, pool_); }
   void silu_mul(const Tensor& gu, Tensor& out) override {
     check_f32(gu, "silu_mul");
     const int64_t I = out.cols;

@@ -101,6 +101,14 @@ void store_row_f32(const float* src, Tensor& t, int64_t r);
 void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
           bool accumulate = false);
 
+// gemm with FP8 weights (gemm_fp8.cpp): out = x @ (w * scale)^T, the fp32 products of the dequantized weights.
+void gemm_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
+              bool accumulate = false);
+// Throws std::runtime_error (naming op) unless w is FP8 with a scale grid that covers it.
+void check_fp8_linear(const Linear& w, const char* op);
+// Backend::quantize_fp8.
+void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, ThreadPool& pool);
+
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                Tensor& out, ThreadPool& pool);
 

@@ -1,5 +1,6 @@
 // CudaBackend: memory, transfers, graphs and op dispatch; the plugin's backend entry points.
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/fp8.cuh"
 
 #include <algorithm>
 #include <chrono>
@@ -265,8 +266,11 @@ void CudaBackend::linear_add(const Tensor& x, const Linear& lw, Tensor& out) {
 void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, bool accumulate) {
   set_device();
   const Tensor& w = lw.w;
-  QRT_CHECK(lw.scale.empty() && w.dtype != DType::F8E4M3,
-            "cuda linear: FP8 weights are not supported by the CUDA backend yet");
+  QRT_CHECK(lw.fp8() || w.dtype != DType::F8E4M3, "cuda linear: float8_e4m3 weights without scales");
+  if (lw.fp8()) {
+    matmul_fp8(x, lw, bias, out, accumulate);
+    return;
+  }
   QRT_CHECK(x.dtype == DType::F32 || x.dtype == DType::F16 || x.dtype == DType::BF16,
             "cuda linear: unsupported activation dtype ", dtype_name(x.dtype));
   QRT_CHECK(out.dtype == x.dtype || out.dtype == DType::F32, "cuda linear: out dtype ", dtype_name(out.dtype),
@@ -320,6 +324,43 @@ void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, 
   }
 }
 
+void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, bool accumulate) {
+  const Tensor& w = lw.w;
+  check_fp8_linear(lw);
+  check_act(x, "linear");
+  QRT_CHECK(out.dtype == x.dtype || out.dtype == DType::F32, "cuda linear: out dtype ", dtype_name(out.dtype),
+            " is neither x's (", dtype_name(x.dtype), ") nor float32");
+  QRT_CHECK(x.cols == w.cols && out.cols == w.rows && out.rows == x.rows, "cuda linear: shapes x [", x.rows, ",",
+            x.cols, "] w [", w.rows, ",", w.cols, "] out [", out.rows, ",", out.cols, "]");
+  const int64_t M = x.rows, N = w.rows, K = w.cols;
+  if (M == 0 || N == 0) return;
+  // Decode: the weight-only GEMV, dequantizing in registers.
+  if (launch_gemv_fp8(x, lw, bias, out, accumulate ? GemvEpilogue::Add : GemvEpilogue::Store, stream_)) return;
+  // Larger batches: row blocks dequantized into scratch of x's dtype, one cuBLASLt GEMM each.
+  const DType t = x.dtype;
+  const int64_t es = int64_t(dtype_size(t)), bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
+  int64_t rows_per = std::max<int64_t>(64, (int64_t(64) << 20) / std::max<int64_t>(1, K * es) / 64 * 64);
+  rows_per = std::min(rows_per, N);
+  void* buf = scratch(w_conv_, size_t(rows_per * K * es), "linear weight dequantization");
+  for (int64_t n0 = 0; n0 < N; n0 += rows_per) {
+    const int64_t nc = std::min(rows_per, N - n0);
+    Tensor dst(buf, t, nc, K);
+    launch_dequantize_fp8(lw, n0, dst, stream_);
+    Tensor o = out.col_slice(n0, nc);
+    const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
+    if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_,
+                   out.dtype, accumulate)) {
+      Tensor bs(const_cast<void*>(bp), bias->dtype, 1, nc);
+      launch_add_bias(o, bs, stream_);
+    }
+  }
+}
+
+void CudaBackend::quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale) {
+  set_device();
+  launch_quantize_fp8(src, q, scale, stream_);
+}
+
 void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
   set_device();
   launch_silu_mul(gate_up, out, stream_);
@@ -328,7 +369,8 @@ void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
 void CudaBackend::linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) {
   // Decode: one gated GEMV (silu_mul in its epilogue); otherwise the composition.
   set_device();
-  if (gate_up.scale.empty() && launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, nullptr, num_sms_, stream_))
+  if (gate_up.fp8() ? launch_gemv_fp8(x, gate_up, nullptr, out, GemvEpilogue::SiluMul, stream_)
+                    : launch_gemv(x, gate_up.w, nullptr, out, GemvEpilogue::SiluMul, nullptr, num_sms_, stream_))
     return;
   Backend::linear_silu_mul(x, gate_up, gate_up_out, out);
 }

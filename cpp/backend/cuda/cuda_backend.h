@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
   void head_rms_norm(Tensor& x, int head_dim, const Tensor& w, float eps, bool zero_centred) override;
   void rope(Tensor& x, int head_dim, const int32_t* positions, const RopeTable& table) override;
   void linear(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out) override;
+  void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
   void linear_add(const Tensor& x, const Linear& w, Tensor& out) override;
   void linear_silu_mul(const Tensor& x, const Linear& gate_up, Tensor& gate_up_out, Tensor& out) override;
@@ -99,6 +100,7 @@ class CudaBackend final : public Backend {
   AttnWorkspace attn_workspace(const AttnBatch& b, const AttnShape& sh);  // the split workspace, grown to fit
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
+  void matmul_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
   // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {

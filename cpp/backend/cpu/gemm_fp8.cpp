@@ -1,0 +1,175 @@
+// FP8 weights on the CPU: y = x @ (w * scale)^T in fp32 with e4m3 weights and their block scales (ops.h Linear),
+// each block of 16 weight rows dequantized into a thread's scratch just before its tiles use it (never the whole
+// matrix); and Backend::quantize_fp8, the block quantization of Qwen's FP8 checkpoints.
+// A dequantized weight is the fp32 product w * scale, rounded once: exactly the matrix a framework gets by
+// dequantizing, so the products are those of the float32 path on that matrix (16 fp32 lanes accumulated in K
+// order, lane_sum, then the tail by fma in K order; the same for every M and thread count: batch invariance).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/cpu_kernels.h"
+#include "core/error.h"
+
+namespace qrt::cpu {
+namespace {
+
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef _Float16 v16f16 __attribute__((vector_size(32)));
+
+constexpr int kLanes = 16;
+constexpr int64_t kRowsPerBlock = 16;  // weight rows dequantized at a time
+
+// 16 e4m3 values times 2^-8, exactly: the 7 magnitude bits placed as a half's exponent and mantissa (bias 15
+// against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
+inline v16f f8x16_over_256(const uint8_t* p) {
+  v16b b;
+  std::memcpy(&b, p, 16);
+  const v16h h = __builtin_convertvector(b, v16h);
+  const v16h bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
+  v16f16 f;
+  std::memcpy(&f, &bits, 32);
+  v16f v = __builtin_convertvector(f, v16f);
+  const v16u nan = (v16u)(__builtin_convertvector(h & 0x7f, v16u) == 0x7fu);
+  v16u u;
+  std::memcpy(&u, &v, 64);
+  u = (u & ~nan) | (nan & 0x7fc00000u);
+  std::memcpy(&v, &u, 64);
+  return v;
+}
+
+// Row r of w dequantized into dst (K floats): w[r, k] * scale[r >> shift, k / 128], each an fp32 product.
+void dequantize_row(const Linear& lw, int64_t r, float* dst) {
+  const Tensor& w = lw.w;
+  const int64_t K = w.cols;
+  const uint8_t* src = w.ptr<uint8_t>() + r * w.stride;
+  const float* s = lw.scale.ptr<float>() + (r >> lw.scale_row_shift) * lw.scale.stride;
+  for (int64_t k0 = 0; k0 < K; k0 += kFp8Block) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + kFp8Block);
+    const float sc = s[k0 / kFp8Block], sc256 = sc * 256.0f;  // f8x16_over_256's 2^-8 back, exactly
+    int64_t k = k0;
+    for (; k + kLanes <= k1; k += kLanes) {
+      const v16f v = f8x16_over_256(src + k) * sc256;
+      std::memcpy(dst + k, &v, 64);
+    }
+    for (; k < k1; ++k) dst[k] = f8e4m3_to_f32(src[k]) * sc;
+  }
+}
+
+// An mr x nr tile of fp32 dot products of x rows against dequantized weight rows (rows of K floats).
+template <int mr, int nr>
+void tile(const float* x, int64_t ldx, const float* w, int64_t K, float (&res)[4][4]) {
+  v16f acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = v16f{};
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    v16f wv[nr];
+    for (int j = 0; j < nr; ++j) std::memcpy(&wv[j], w + j * K + k, 64);
+    for (int i = 0; i < mr; ++i) {
+      v16f xv;
+      std::memcpy(&xv, x + i * ldx + k, 64);
+      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) {
+      float tail = 0.f;
+      for (int64_t k = kv; k < K; ++k) tail = std::fma(x[i * ldx + k], w[j * K + k], tail);
+      res[i][j] = lane_sum(acc[i][j]) + tail;
+    }
+}
+
+template <int mr>
+void tile_n(int nr, const float* x, int64_t ldx, const float* w, int64_t K, float (&res)[4][4]) {
+  switch (nr) {
+    case 4: tile<mr, 4>(x, ldx, w, K, res); break;
+    case 3: tile<mr, 3>(x, ldx, w, K, res); break;
+    case 2: tile<mr, 2>(x, ldx, w, K, res); break;
+    default: tile<mr, 1>(x, ldx, w, K, res); break;
+  }
+}
+
+}  // namespace
+
+void check_fp8_linear(const Linear& lw, const char* op) {
+  const Tensor& w = lw.w;
+  QRT_CHECK(w.dtype == DType::F8E4M3 && lw.scale.dtype == DType::F32, op, ": FP8 weights must be float8_e4m3 with ",
+            "float32 scales, got ", dtype_name(w.dtype), " and ", dtype_name(lw.scale.dtype));
+  QRT_CHECK(lw.scale_row_shift >= 0 && lw.scale_row_shift <= 7, op, ": scale_row_shift ", lw.scale_row_shift,
+            " is not in [0, 7]");
+  const int64_t rows = ((w.rows - 1) >> lw.scale_row_shift) + 1, cols = (w.cols + kFp8Block - 1) / kFp8Block;
+  QRT_CHECK(lw.scale.rows >= rows && lw.scale.cols >= cols, op, ": FP8 scales [", lw.scale.rows, ", ",
+            lw.scale.cols, "] for weights [", w.rows, ", ", w.cols, "] need [", rows, ", ", cols, "]");
+}
+
+void gemm_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, ThreadPool& pool, bool accumulate) {
+  const Tensor& w = lw.w;
+  QRT_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "cpu linear: activations must be float32");
+  QRT_CHECK(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cpu linear: shape mismatch x[", x.rows,
+            ",", x.cols, "] w[", w.rows, ",", w.cols, "] out[", out.rows, ",", out.cols, "]");
+  check_fp8_linear(lw, "cpu linear");
+  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  if (M == 0 || N == 0) return;
+  const int64_t nblocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const float* xp = x.ptr<float>();
+  pool.run(M * N * K > (1 << 16), [&](int t, int T) {
+    std::vector<float> wide(size_t(kRowsPerBlock * K));
+    const auto [b0, b1] = ThreadPool::static_range(nblocks, t, T);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * kRowsPerBlock, n1 = std::min(N, n0 + kRowsPerBlock);
+      for (int64_t n = n0; n < n1; ++n) dequantize_row(lw, n, wide.data() + (n - n0) * K);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = int(std::min<int64_t>(4, M - m0));
+        for (int64_t j0 = n0; j0 < n1; j0 += 4) {
+          const int nr = int(std::min<int64_t>(4, n1 - j0));
+          float res[4][4];
+          const float* xr = xp + m0 * x.stride;
+          const float* wr = wide.data() + (j0 - n0) * K;
+          switch (mr) {
+            case 4: tile_n<4>(nr, xr, x.stride, wr, K, res); break;
+            case 3: tile_n<3>(nr, xr, x.stride, wr, K, res); break;
+            case 2: tile_n<2>(nr, xr, x.stride, wr, K, res); break;
+            default: tile_n<1>(nr, xr, x.stride, wr, K, res); break;
+          }
+          for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j) {
+              float v = res[i][j];
+              if (bias) v += load_f32(*bias, 0, j0 + j);
+              float& o = out.ptr<float>()[(m0 + i) * out.stride + j0 + j];
+              o = accumulate ? o + v : v;
+            }
+        }
+      }
+    }
+  });
+}
+
+void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, ThreadPool& pool) {
+  const int64_t R = src.rows, C = src.cols, B = kFp8Block;
+  const int64_t br = (R + B - 1) / B, bc = (C + B - 1) / B;
+  QRT_CHECK(q.dtype == DType::F8E4M3 && q.rows == R && q.cols == C, "cpu quantize_fp8: q must be float8_e4m3 [", R,
+            ", ", C, "]");
+  QRT_CHECK(scale.dtype == DType::F32 && scale.rows == br && scale.cols == bc, "cpu quantize_fp8: scale must be ",
+            "float32 [", br, ", ", bc, "]");
+  pool.for_static(br, R * C > (1 << 16), [&](int64_t bi) {
+    const int64_t r0 = bi * B, r1 = std::min(R, r0 + B);
+    std::vector<float> rows(size_t((r1 - r0) * C));
+    for (int64_t r = r0; r < r1; ++r) load_row_f32(src, r, rows.data() + (r - r0) * C);
+    for (int64_t bj = 0; bj < bc; ++bj) {
+      const int64_t c0 = bj * B, c1 = std::min(C, c0 + B);
+      float amax = 0.f;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(rows[size_t((r - r0) * C + c)]));
+      const float s = amax > 0.f ? amax / 448.0f : 1.0f;
+      scale.ptr<float>()[bi * scale.stride + bj] = s;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c)
+          q.ptr<uint8_t>()[r * q.stride + c] = f32_to_f8e4m3(rows[size_t((r - r0) * C + c)] / s);
+    }
+  });
+}
+
+}  // namespace qrt::cpu

@@ -1,0 +1,254 @@
+// FP8 (e4m3, block-scaled: ops.h Linear) weights on CUDA, weight-only (W8A16): a few-row GEMV that dequantizes in
+// registers (decode), a dequantization of row blocks for the cuBLASLt GEMM of larger batches, and the block
+// quantization of Backend::quantize_fp8.
+// A weight's value is the fp32 product e4m3 * scale, as on the CPU; the GEMV multiplies it with the fp32 value of
+// x (16-bit or fp32) and accumulates in fp32, so with fp32 activations it computes what the CPU does up to the
+// order of the sums. The GEMV: one warp per weight row (two rows, n and n + N, for the gated form), each lane
+// 16 weights (one 16-byte load, read past L1) at a time, lane-strided over the row, then a warp sum: the
+// arithmetic of x row m does not depend on M (batch invariance among M <= 8). Not yet tuned against the 16-bit
+// GEMV's persistent grid (a later step, with the blockwise W8A8 GEMM for prefill).
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/fp8.cuh"
+
+namespace qrt::cuda {
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps: 8 weight rows per block
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ uint4 load_weight(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float fp8_value(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return float(v);
+}
+
+// 16 e4m3 weights times their scale (each an fp32 product, as dequantize computes it).
+__device__ __forceinline__ void dequantize16(const uint4& v, float sc, float (&w)[16]) {
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3));
+    const float2 f = __half22float2(h);
+    w[2 * i] = __fmul_rn(f.x, sc);
+    w[2 * i + 1] = __fmul_rn(f.y, sc);
+  }
+}
+
+template <typename T, typename O, int M, GemvEpilogue EPI>
+__global__ void __launch_bounds__(kThreads)
+    gemv_fp8_kernel(const T* __restrict__ x, int64_t ldx, const uint8_t* __restrict__ w, int64_t ldw,
+                    const float* __restrict__ scale, int64_t lds, int shift, O* __restrict__ out, int64_t ldo,
+                    int64_t N, int64_t K, const void* bias, DType bias_t) {
+  constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
+  constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
+  constexpr int XN = Vec16<T>::N;   // x elements per 16-byte load
+  grid_release();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n = int64_t(blockIdx.x) * kWarps + warp;
+  grid_wait();
+  if (n >= N) return;  // (no block barrier below)
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  const int64_t pieces = K / 16;
+  for (int64_t p = lane; p < pieces; p += 32) {
+    const int64_t k = p * 16;
+    float wf[R][16];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = n + r * N;
+      dequantize16(load_weight(w + row * ldw + k), __ldg(scale + (row >> shift) * lds + (k >> 7)), wf[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int h = 0; h < 16 / XN; ++h) {
+        Vec16<T> xv;
+        xv.load(x + m * ldx + k + h * XN);
+#pragma unroll
+        for (int e = 0; e < XN; ++e)
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][m] = fmaf(xv.f[e], wf[r][h * XN + e], acc[r][m]);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  if (lane >= M) return;
+  float s = 0.f, s_up = 0.f;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    if (m == lane) s = acc[0][m], s_up = acc[R - 1][m];
+  O* o = out + lane * ldo + n;
+  if constexpr (GATED) {
+    *o = from_f<O>(silu_mul1(to_f(from_f<T>(s)), to_f(from_f<T>(s_up))));
+  } else if constexpr (EPI == GemvEpilogue::Add) {
+    *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
+  } else {
+    const float b = bias ? load_any(bias, bias_t, n) : 0.f;
+    *o = from_f<O>(s + b);
+  }
+}
+
+template <typename T, typename O, GemvEpilogue EPI>
+void launch_gemv_m(const Tensor& x, const Linear& lw, int64_t N, const Tensor* bias, Tensor& out, cudaStream_t s) {
+  const unsigned blocks = ceil_div(N, kWarps);
+  const void* bp = bias ? bias->data : nullptr;
+  const DType bt = bias ? bias->dtype : DType::F32;
+  auto go = [&](auto kernel) {
+    launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, lw.w.ptr<uint8_t>(), lw.w.stride,
+                   lw.scale.ptr<float>(), lw.scale.stride, lw.scale_row_shift, out.ptr<O>(), out.stride, N,
+                   lw.w.cols, bp, bt);
+  };
+  switch (x.rows) {
+    case 1: go(gemv_fp8_kernel<T, O, 1, EPI>); break;
+    case 2: go(gemv_fp8_kernel<T, O, 2, EPI>); break;
+    case 3: go(gemv_fp8_kernel<T, O, 3, EPI>); break;
+    case 4: go(gemv_fp8_kernel<T, O, 4, EPI>); break;
+    case 5: go(gemv_fp8_kernel<T, O, 5, EPI>); break;
+    case 6: go(gemv_fp8_kernel<T, O, 6, EPI>); break;
+    case 7: go(gemv_fp8_kernel<T, O, 7, EPI>); break;
+    default: go(gemv_fp8_kernel<T, O, 8, EPI>); break;
+  }
+}
+
+// Rows [n0, n0 + dst.rows) of w dequantized into dst (fp32 products, rounded to dst's dtype).
+template <typename O>
+__global__ void dequantize_fp8_kernel(const uint8_t* __restrict__ w, int64_t ldw, const float* __restrict__ scale,
+                                      int64_t lds, int shift, int64_t n0, int64_t K, O* __restrict__ dst,
+                                      int64_t ldd) {
+  const int64_t r = blockIdx.x, row = n0 + r;
+  const uint8_t* src = w + row * ldw;
+  const float* sc = scale + (row >> shift) * lds;
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x)
+    dst[r * ldd + k] = from_f<O>(__fmul_rn(fp8_value(src[k]), sc[k >> 7]));
+}
+
+// One 128 x 128 block per thread block: its amax, s = amax / 448 (1 for a zero block), q = e4m3(src / s).
+__global__ void quantize_fp8_kernel(const void* __restrict__ src, DType st, int64_t lds, int64_t R, int64_t C,
+                                    uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale,
+                                    int64_t ldsc) {
+  const int64_t r0 = int64_t(blockIdx.y) * kFp8Block, c0 = int64_t(blockIdx.x) * kFp8Block;
+  const int64_t rows = min(int64_t(kFp8Block), R - r0), cols = min(int64_t(kFp8Block), C - c0);
+  float amax = 0.f;
+  for (int64_t i = threadIdx.x; i < rows * kFp8Block; i += blockDim.x) {
+    const int64_t r = i / kFp8Block, c = i % kFp8Block;
+    if (c < cols) amax = fmaxf(amax, fabsf(load_any(src, st, (r0 + r) * lds + c0 + c)));
+  }
+  __shared__ float red[kWarps];
+  amax = warp_max(amax);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) amax = fmaxf(amax, red[i]);
+  const float s = amax > 0.f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  if (threadIdx.x == 0) scale[blockIdx.y * ldsc + blockIdx.x] = s;
+  for (int64_t i = threadIdx.x; i < rows * kFp8Block; i += blockDim.x) {
+    const int64_t r = i / kFp8Block, c = i % kFp8Block;
+    if (c < cols) {
+      const float v = __fdiv_rn(load_any(src, st, (r0 + r) * lds + c0 + c), s);
+      q[(r0 + r) * ldq + c0 + c] = uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+    }
+  }
+}
+
+}  // namespace
+
+void check_fp8_linear(const Linear& lw) {
+  const Tensor& w = lw.w;
+  QRT_CHECK(w.dtype == DType::F8E4M3 && lw.scale.dtype == DType::F32, "cuda linear: FP8 weights must be ",
+            "float8_e4m3 with float32 scales, got ", dtype_name(w.dtype), " and ", dtype_name(lw.scale.dtype));
+  QRT_CHECK(lw.scale_row_shift >= 0 && lw.scale_row_shift <= 7, "cuda linear: scale_row_shift ",
+            lw.scale_row_shift, " is not in [0, 7]");
+  const int64_t rows = w.rows ? ((w.rows - 1) >> lw.scale_row_shift) + 1 : 0;
+  const int64_t cols = (w.cols + kFp8Block - 1) / kFp8Block;
+  QRT_CHECK(lw.scale.rows >= rows && lw.scale.cols >= cols, "cuda linear: FP8 scales [", lw.scale.rows, ", ",
+            lw.scale.cols, "] for weights [", w.rows, ", ", w.cols, "] need [", rows, ", ", cols, "]");
+}
+
+// Up to 8 x rows (QWEN_RT_GEMV_ROWS, read at every call, sets it as for the 16-bit GEMV: 0 sends every FP8 linear
+// to the dequantizing GEMM). At 8 rows the GEMV reads the FP8 weights once, where the GEMM path writes and reads a
+// 16-bit copy of them.
+int gemv_fp8_max_rows() {
+  const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
+  return e ? std::clamp(std::atoi(e), 0, 8) : 8;
+}
+
+bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, GemvEpilogue epi,
+                     cudaStream_t s) {
+  const Tensor& w = lw.w;
+  const int64_t xes = int64_t(dtype_size(x.dtype));
+  if (x.rows < 1 || x.rows > gemv_fp8_max_rows() || w.cols % 16 != 0 || !aligned16(w.data, w.stride) ||
+      !aligned16(x.data, x.stride * xes))
+    return false;
+  switch (epi) {
+    case GemvEpilogue::Store:
+      if (out.dtype != x.dtype && out.dtype != DType::F32) return false;
+      break;
+    case GemvEpilogue::Add:
+      if (out.dtype != x.dtype || bias) return false;
+      break;
+    case GemvEpilogue::SiluMul:
+      if (out.dtype != x.dtype || bias || w.rows != 2 * out.cols) return false;
+      break;
+  }
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    switch (epi) {
+      case GemvEpilogue::Store:
+        if (out.dtype == DType::F32) launch_gemv_m<T, float, GemvEpilogue::Store>(x, lw, w.rows, bias, out, s);
+        else launch_gemv_m<T, T, GemvEpilogue::Store>(x, lw, w.rows, bias, out, s);
+        break;
+      case GemvEpilogue::Add: launch_gemv_m<T, T, GemvEpilogue::Add>(x, lw, w.rows, nullptr, out, s); break;
+      case GemvEpilogue::SiluMul: launch_gemv_m<T, T, GemvEpilogue::SiluMul>(x, lw, out.cols, nullptr, out, s); break;
+    }
+  };
+  dispatch_act(x.dtype, "fp8 gemv", go);
+  check_launch("fp8 gemv");
+  return true;
+}
+
+void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream_t s) {
+  QRT_CHECK(dst.cols == lw.w.cols && n0 >= 0 && n0 + dst.rows <= lw.w.rows, "cuda dequantize_fp8: rows [", n0, ", ",
+            n0 + dst.rows, ") of [", lw.w.rows, ", ", lw.w.cols, "] into [", dst.rows, ", ", dst.cols, "]");
+  if (dst.rows == 0) return;
+  dispatch_act(dst.dtype, "dequantize_fp8", [&](auto tag) {
+    using O = decltype(tag);
+    dequantize_fp8_kernel<O><<<unsigned(dst.rows), kThreads, 0, s>>>(
+        lw.w.ptr<uint8_t>(), lw.w.stride, lw.scale.ptr<float>(), lw.scale.stride, lw.scale_row_shift, n0, lw.w.cols,
+        dst.ptr<O>(), dst.stride);
+  });
+  check_launch("dequantize_fp8");
+}
+
+void launch_quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, cudaStream_t s) {
+  const int64_t R = src.rows, C = src.cols, B = kFp8Block;
+  QRT_CHECK(q.dtype == DType::F8E4M3 && q.rows == R && q.cols == C, "cuda quantize_fp8: q must be float8_e4m3 [", R,
+            ", ", C, "]");
+  QRT_CHECK(scale.dtype == DType::F32 && scale.rows == (R + B - 1) / B && scale.cols == (C + B - 1) / B,
+            "cuda quantize_fp8: scale must be float32 [", (R + B - 1) / B, ", ", (C + B - 1) / B, "]");
+  check_act(src, "quantize_fp8");
+  if (R == 0 || C == 0) return;
+  quantize_fp8_kernel<<<dim3(ceil_div(C, B), ceil_div(R, B)), kThreads, 0, s>>>(
+      src.data, src.dtype, src.stride, R, C, q.ptr<uint8_t>(), q.stride, scale.ptr<float>(), scale.stride);
+  check_launch("quantize_fp8");
+}
+
+}  // namespace qrt::cuda
