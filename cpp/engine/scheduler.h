@@ -20,7 +20,7 @@
 
 #include "engine/request.h"
 #include "kv/pages.h"
-#include "model/qwen.h"
+#include "model/step.h"
 
 namespace qrt {
 

@@ -12,27 +12,10 @@
 #include "kv/state_cache.h"
 #include "model/config.h"
 #include "model/layers.h"
+#include "model/step.h"
 #include "model/weights.h"
 
 namespace qrt {
-
-// One step as the model sees it (host memory). Built once by the scheduler, read by every rank.
-struct StepInput {
-  std::vector<int32_t> tokens;      // [T]
-  std::vector<int32_t> token_src;   // [T] -1, or the row of the previous step's sampling whose token this is
-  std::vector<int32_t> positions;   // [T]
-  std::vector<int32_t> kv_rows;     // [T] cache row of each token: page * page_size + offset
-  std::vector<int32_t> q_start;     // [S + 1]
-  std::vector<int32_t> ctx_len;     // [S]
-  std::vector<int32_t> page_table;  // [S, max_pages]
-  std::vector<int32_t> logit_rows;  // [R] rows of the step whose next token is sampled
-  std::vector<int32_t> slots;       // [S] each sequence's slot (its DeltaNet state)
-  int max_pages = 0;
-  int max_q_len = 0;
-  int max_ctx_len = 0;
-  int num_tokens() const { return int(tokens.size()); }
-  int num_seqs() const { return int(ctx_len.size()); }
-};
 
 struct Limits {
   int max_tokens = 0;       // rows of one step (max_num_batched_tokens)
