@@ -63,11 +63,11 @@ def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
     from qwen_rt import bench
 
     rec_path = tmp_path / "rec.jsonl"
-    argv = ["cpu", "--phases", "--layers", "1", "--vocab", "512", "--prefill-len", "16", "--batch-sizes", "1,2",
+    argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "16", "--batch-sizes", "1,2",
             "--dtype", "float32,bfloat16", "--json", str(rec_path)]
     assert bench.main(argv) == 0
     rec = json.loads(rec_path.read_text().splitlines()[-1])
-    assert rec["bench"] == "cpu-phases" and rec["model"]["num_hidden_layers"] == 1
+    assert rec["bench"] == "cpu-phases" and rec["model"]["num_hidden_layers"] == 2
     phases = {(r["dtype"], r["phase"]): r for r in rec["rows"]}
     assert set(phases) == {(d, p) for d in ("float32", "bfloat16") for p in ("prefill 16", "decode b1", "decode b2")}
     assert all(r["time_ms"] > 0 and r["tok_s"] > 0 for r in rec["rows"])
