@@ -55,6 +55,25 @@ def test_cpu_bench_runs_both_engines_and_measures_closeness(tmp_path, capsys):
     assert rec["greedy_agreement"]["float32/b2"]["min_common_prefix"] == 4
 
 
+def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
+    """`qwen-rt bench cpu --phases`: qwen_rt alone on random weights, a record with a prefill row and a decode row per
+    batch size and dtype, each with its time and rate."""
+    import json
+
+    from qwen_rt import bench
+
+    rec_path = tmp_path / "rec.jsonl"
+    argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "16", "--batch-sizes", "1,2",
+            "--dtype", "float32,bfloat16", "--json", str(rec_path)]
+    assert bench.main(argv) == 0
+    rec = json.loads(rec_path.read_text().splitlines()[-1])
+    assert rec["bench"] == "cpu-phases" and rec["model"]["num_hidden_layers"] == 2
+    phases = {(r["dtype"], r["phase"]): r for r in rec["rows"]}
+    assert set(phases) == {(d, p) for d in ("float32", "bfloat16") for p in ("prefill 16", "decode b1", "decode b2")}
+    assert all(r["time_ms"] > 0 and r["tok_s"] > 0 for r in rec["rows"])
+    assert phases[("float32", "decode b2")]["mbu"] > 0 and phases[("bfloat16", "prefill 16")]["gflop_s"] > 0
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

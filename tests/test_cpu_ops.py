@@ -197,14 +197,15 @@ def test_linear(h, w_dtype, bias):
 @pytest.mark.parametrize("w_dtype", W_DTYPES)
 def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
     """Every row of x @ w^T equals the same row computed alone, bit for bit, whatever tile the batch's row
-    count picks (few rows, 5-15 rows and 16+ rows tile differently, and from 16 rows 16-bit weights are widened
-    to fp32 first): every tile sums its lanes in the same order and adds a row's tail (K % 16) by fma."""
+    count picks (few rows, 5-15 rows and 16+ rows tile differently: from 16 rows the weights are packed into
+    panels, 16-bit ones widened to fp32, and x goes by tiles of 8 or 4 rows with a shorter last tile): every tile
+    sums its lanes in the same order and adds a row's tail (K % 16) by fma."""
     rng = np.random.default_rng(21)
     for k, m in [(768, 50), (100, 37), (2048, 19)]:
-        x = rnd(rng, 24, k)
+        x = rnd(rng, 40, k)
         w = rnd(rng, m, k, scale=1.0 / math.sqrt(k))
-        alone = np.concatenate([np.asarray(h.linear(x[i:i + 1], w, None, w_dtype)) for i in range(24)])
-        for n in (2, 3, 4, 7, 8, 13, 16, 24):
+        alone = np.concatenate([np.asarray(h.linear(x[i:i + 1], w, None, w_dtype)) for i in range(40)])
+        for n in (2, 3, 4, 7, 8, 13, 16, 17, 24, 31, 40):
             np.testing.assert_array_equal(np.asarray(h.linear(x[:n], w, None, w_dtype)), alone[:n],
                                           err_msg=f"{n} rows, k {k}")
 

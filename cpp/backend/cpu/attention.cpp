@@ -1,10 +1,12 @@
 // Causal paged attention on the CPU, fp32. A task is a query row and a run of KV heads. Results do not depend
-// on the batch (each task is independent). With AVX-512 (head_dim a multiple of 16, <= 256), each query head
-// takes its scores 16 keys at a time (one lane sum per block of keys, not per key) and its weighted sum of V
-// rows in registers, reading its KV head's rows once per query head (from cache after the first): on the CPU
-// bench model attention went from 11.1% to 8.4% of a batch-8 decode step (perf). Otherwise the query heads of
-// a GQA group share each K/V row load. The cache holds fp32, or bf16 / fp16 rows (16-bit weights: the KV
-// dtype of a bf16 model, half the bytes a step reads), converted to fp32 as they are read.
+// on the batch (each task is independent). With AVX-512 or AVX2 + FMA (head_dim a multiple of the vector width,
+// at most 16 vectors), the query heads of a KV head take their scores kW keys at a time (one lane sum per block of
+// keys, not per key), sharing each key's loads, and their weighted sums of V rows in registers, several heads'
+// chains interleaved: one 512-token prefill of issue 35's layer (12 / 4 heads of 64) went from 18-20 to 9-11 ms
+// (AVX-512) and from 40-43 to 19-21 ms (AVX2 build) on one core (tools/attention_cpu_bench.cpp; the AVX-512
+// results are bit-identical to the per-head code before). Otherwise the query heads of a GQA group share each K/V
+// row load. The cache holds fp32, or bf16 / fp16 rows (16-bit weights: the KV dtype of a bf16 model, half the
+// bytes a step reads), converted to fp32 as they are read.
 
 #include <algorithm>
 #include <atomic>
@@ -72,50 +74,128 @@ inline const float* as_f32(F16Rows, const uint16_t* p, int n, float* buf) {
   return buf;
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vector path: kW-lane vectors (AVX-512: 16; AVX2: 8), head_dim a multiple of kW up to 16 vectors.
 #if defined(__AVX512F__)
-inline __m512 load16(F32Rows, const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(Bf16Rows, const uint16_t* p) {
+using AV = __m512;
+constexpr int kW = 16;
+inline AV av_load(F32Rows, const float* p) { return _mm512_loadu_ps(p); }
+inline AV av_load(Bf16Rows, const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-inline __m512 load16(F16Rows, const uint16_t* p) {
+inline AV av_load(F16Rows, const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline AV av_loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline AV av_set1(float x) { return _mm512_set1_ps(x); }
+inline AV av_zero() { return _mm512_setzero_ps(); }
+inline AV av_mul(AV a, AV b) { return _mm512_mul_ps(a, b); }
+inline AV av_fma(AV a, AV b, AV c) { return _mm512_fmadd_ps(a, b, c); }
+inline void av_store(float* p, AV v) { _mm512_storeu_ps(p, v); }
+inline AV sum_lanes(const AV (&v)[kW]) { return sum_lanes16(v); }
+inline void av_store_first(float* p, AV v, int m) { _mm512_mask_storeu_ps(p, __mmask16((1u << m) - 1), v); }
+constexpr int kAccRegs = 16;  // accumulators of a weighted sum's pass (of 32 registers)
+#else
+using AV = __m256;
+constexpr int kW = 8;
+inline AV av_load(F32Rows, const float* p) { return _mm256_loadu_ps(p); }
+inline AV av_load(Bf16Rows, const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline AV av_load(F16Rows, const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline AV av_loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline AV av_set1(float x) { return _mm256_set1_ps(x); }
+inline AV av_zero() { return _mm256_setzero_ps(); }
+inline AV av_mul(AV a, AV b) { return _mm256_mul_ps(a, b); }
+inline AV av_fma(AV a, AV b, AV c) { return _mm256_fmadd_ps(a, b, c); }
+inline void av_store(float* p, AV v) { _mm256_storeu_ps(p, v); }
+// Lane j: the sum of the 8 lanes of v[j] (pairs, then quads, then halves: the same order for every j).
+inline AV sum_lanes(const AV (&v)[kW]) {
+  const AV ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // quads of v0..v3
+  const AV cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // quads of v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+inline void av_store_first(float* p, AV v, int m) {
+  alignas(32) float t[kW];
+  _mm256_store_ps(t, v);
+  std::memcpy(p, t, sizeof(float) * m);
+}
+constexpr int kAccRegs = 8;  // (of 16 registers)
+#endif
+constexpr bool kVectorPath = true;
+constexpr int kScoreHeads = 4;  // query heads whose scores share each key's loads
 
-// scores[p] = scale * q . k(p) for p < n (D a multiple of 16, at most 256), keys in blocks of 16: each key's
-// 16-lane products summed by sum_lanes16 (a key past n in a block repeats the block's first; its score is
-// dropped). key(p) points at k(p)'s D elements of kind R.
-template <typename R, typename KeyRow>
-void block_scores(R kind, const float* q, int D, int n, float scale, KeyRow key, float* scores) {
-  __m512 qv[16];
-  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int p0 = 0; p0 < n; p0 += 16) {
-    __m512 v[16];
-    for (int j = 0; j < 16; ++j) {
-      const auto* k = key(p0 + j < n ? p0 + j : p0);
-      __m512 a = _mm512_mul_ps(qv[0], load16(kind, k));
-      for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(qv[c], load16(kind, k + 16 * c), a);
-      v[j] = a;
-    }
-    const __m512 s = _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale));
-    const int m = std::min(16, n - p0);
-    _mm512_mask_storeu_ps(scores + p0, __mmask16((1u << m) - 1), s);
+// Calls f(std::integral_constant<int, c>) for a run-time c in 1..N.
+template <int N, typename F>
+void with_const(int c, F&& f) {
+  if constexpr (N >= 1) {
+    if (c == N) f(std::integral_constant<int, N>{});
+    else with_const<N - 1>(c, f);
   }
 }
 
-// out[0, D) = sum over p < n of w[p] * v(p), accumulated in p order in registers (D a multiple of 16, <= 256);
-// val(p) points at v(p)'s D elements of kind R.
-template <typename R, typename ValRow>
-void weighted_sum_in_registers(R kind, const float* w, int D, int n, ValRow val, float* out) {
-  __m512 acc[16];
-  for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_setzero_ps();
-  for (int p = 0; p < n; ++p) {
-    const auto* v = val(p);
-    const __m512 wp = _mm512_set1_ps(w[p]);
-    for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(wp, load16(kind, v + 16 * c), acc[c]);
+// scores[g * ld + p] = scale * q_g . k(p) for the query heads g < G of one KV head (q_g at q + g * C * kW) and the
+// keys p < n, kW keys at a time: each key's C vectors of products (a product, then fused in order) summed by
+// sum_lanes, kScoreHeads heads sharing each key's loads (a key past n in a block repeats the block's first; its
+// score is dropped). A head's scores take the same operations whatever G. key(p) points at k(p) of kind R.
+template <int C, typename R, typename KeyRow>
+void group_scores(R kind, const float* q, int G, int n, float scale, KeyRow key, float* scores, int64_t ld) {
+  for (int g0 = 0; g0 < G; g0 += kScoreHeads) {
+    with_const<kScoreHeads>(std::min(kScoreHeads, G - g0), [&](auto heads) {
+      constexpr int gn = decltype(heads)::value;
+      const float* qg = q + int64_t(g0) * C * kW;
+      for (int p0 = 0; p0 < n; p0 += kW) {
+        AV v[gn][kW];
+        for (int j = 0; j < kW; ++j) {
+          const auto* k = key(p0 + j < n ? p0 + j : p0);
+          AV kc[C];
+          for (int c = 0; c < C; ++c) kc[c] = av_load(kind, k + c * kW);
+          for (int g = 0; g < gn; ++g) {
+            AV a = av_mul(av_loadf(qg + g * C * kW), kc[0]);
+            for (int c = 1; c < C; ++c) a = av_fma(av_loadf(qg + (g * C + c) * kW), kc[c], a);
+            v[g][j] = a;
+          }
+        }
+        for (int g = 0; g < gn; ++g)
+          av_store_first(scores + (g0 + g) * ld + p0, av_mul(sum_lanes(v[g]), av_set1(scale)), std::min(kW, n - p0));
+      }
+    });
   }
-  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
+
+// out_g[0, C * kW) = sum over p < n of w_g[p] * v(p) (w_g at w + g * ld) for the heads g < G, accumulated in p
+// order in registers, as many heads at a time as kAccRegs accumulators hold (their chains interleave; a head alone
+// waits on its C chains). val(p) points at v(p) of kind R.
+template <int C, typename R, typename ValRow>
+void group_weighted_sum(R kind, const float* w, int64_t ld, int G, int n, ValRow val, float* out) {
+  constexpr int per_pass = std::max(1, std::min(4, kAccRegs / C));
+  for (int g0 = 0; g0 < G; g0 += per_pass) {
+    with_const<per_pass>(std::min(per_pass, G - g0), [&](auto heads) {
+      constexpr int gn = decltype(heads)::value;
+      AV acc[gn][C];
+      for (int g = 0; g < gn; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = av_zero();
+      for (int p = 0; p < n; ++p) {
+        const auto* v = val(p);
+        AV vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = av_load(kind, v + c * kW);
+        for (int g = 0; g < gn; ++g) {
+          const AV wp = av_set1(w[(g0 + g) * ld + p]);
+          for (int c = 0; c < C; ++c) acc[g][c] = av_fma(wp, vc[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < gn; ++g)
+        for (int c = 0; c < C; ++c) av_store(out + ((g0 + g) * C + c) * kW, acc[g][c]);
+    });
+  }
+}
+#else
+constexpr bool kVectorPath = false;
+constexpr int kW = 16;
 #endif
 
 template <typename R>
@@ -136,12 +216,8 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
   const int64_t tasks = int64_t(b.num_tokens) * tasks_per_row;
   const bool par = tasks > 1 && int64_t(b.max_ctx_len) * b.num_tokens * s.q_heads > 4096;
   std::atomic<int64_t> next{0};  // tasks taken one at a time by the next free thread
-  // AVX-512 and head_dim a multiple of 16 up to 256: scores 16 keys at a time, weighted sums in registers.
-#if defined(__AVX512F__)
-  const bool avx512_path = D % 16 == 0 && D <= 256;
-#else
-  const bool avx512_path = false;
-#endif
+  // The vector path: head_dim a multiple of kW, up to 16 vectors.
+  const bool vector_path = kVectorPath && D % kW == 0 && D / kW <= 16;
   pool.run(par, [&](int, int) {
     const int hq = heads_per_task * group;  // query heads of one task
     std::vector<float> scores(size_t(std::max(1, b.max_ctx_len)) * hq);
@@ -154,13 +230,16 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
       const int32_t* pages = b.page_table + int64_t(si) * b.max_pages;
       const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh0) * group * D;
       auto cache_row = [&](int p) { return int64_t(pages[p / b.page_size]) * b.page_size + p % b.page_size; };
-      if (avx512_path) {
-#if defined(__AVX512F__)
-        for (int h = 0; h < hq; ++h) {
-          const int64_t off = int64_t(kh0 + h / group) * D;
-          block_scores(kind, qr + h * D, D, n, s.scale, [&](int p) { return kc + cache_row(p) * kv_cols + off; },
-                       scores.data() + size_t(h) * n);
-        }
+      if (vector_path) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        with_const<16>(D / kW, [&](auto chunks) {
+          for (int kh = 0; kh < heads_per_task; ++kh) {
+            const int64_t off = int64_t(kh0 + kh) * D;
+            group_scores<decltype(chunks)::value>(kind, qr + int64_t(kh) * group * D, group, n, s.scale,
+                                                  [&](int p) { return kc + cache_row(p) * kv_cols + off; },
+                                                  scores.data() + size_t(kh) * group * n, n);
+          }
+        });
 #endif
       } else {
         for (int p = 0; p < n; ++p) {
@@ -174,14 +253,16 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
         for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
         inv[h] = 1.f / exp_shift_sum(sc, n, mx);
       }
-      if (avx512_path) {
-#if defined(__AVX512F__)
-        for (int h = 0; h < hq; ++h) {
-          const int64_t off = int64_t(kh0 + h / group) * D;
-          weighted_sum_in_registers(kind, scores.data() + size_t(h) * n, D, n,
-                                    [&](int p) { return vc + cache_row(p) * kv_cols + off; },
-                                    acc.data() + size_t(h) * D);
-        }
+      if (vector_path) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        with_const<16>(D / kW, [&](auto chunks) {
+          for (int kh = 0; kh < heads_per_task; ++kh) {
+            const int64_t off = int64_t(kh0 + kh) * D;
+            group_weighted_sum<decltype(chunks)::value>(kind, scores.data() + size_t(kh) * group * n, n, group, n,
+                                                        [&](int p) { return vc + cache_row(p) * kv_cols + off; },
+                                                        acc.data() + size_t(kh) * group * D);
+          }
+        });
 #endif
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);

@@ -7,6 +7,9 @@
 // (the bf16 dot-product tile reads its tail as one masked step instead). Without AVX-512 but with AVX2 + FMA,
 // the 16 lanes are two 8-lane halves accumulated in two passes (16 registers), summed by lane_sum's order,
 // which is not sum_lanes16's: results agree within rounding across the two builds, not bit for bit.
+// From kPackedMinRows x rows (prefill) each thread packs a block of weight rows into panels laid out as its
+// tiles read them (16-bit weights widened to fp32 there, except on the AVX512-BF16 path) and runs tiles of 8
+// (AVX-512) or 4 (AVX2) x rows by 3 weight rows over them, with the same arithmetic as the few-row tiles.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -24,6 +27,20 @@ namespace {
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef _Float16 v16f16 __attribute__((vector_size(32)));
+
+// n floats of buf, 64-byte aligned (a vector load that crosses a cache line costs two).
+inline float* aligned_floats(std::vector<float>& buf, size_t n) {
+  buf.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+// Tiles that read weight rows in place (few x rows: decode) prefetch each 64-byte line of the rows kPrefetchTiles
+// tiles on (the rows a thread walks next when the x rows fit one tile; with more, the last tiles of a pass
+// prefetch ahead of the next pass's start, which is harmless). Addresses past the last row are only prefetched
+// (no fault on x86), never read. On a 2-core AVX512-BF16 VM this took one decode step's bf16 products at 1 / 8
+// rows from 4.86 / 6.33 to 4.60 / 5.04 ms (tools/gemm_cpu_bench.cpp); fp32 at 8 rows 43 -> 33 ms and fp16 at 1
+// row 21 -> 16 ms on a Sapphire Rapids VM (one thread, issue 35's step, tools/gemm_cpu_bench.cpp).
+constexpr int kPrefetchTiles = 2;
 
 constexpr int kLanes = 16;
 constexpr int MR = 4;  // rows of x per tile
@@ -82,9 +99,14 @@ template <> inline v16f load_w<DType::BF16>(const void* base, int64_t i) {
 #endif
 }
 template <> inline v16f load_w<DType::F16>(const void* base, int64_t i) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i))));
+#else
   v16f16 h;
   std::memcpy(&h, static_cast<const uint16_t*>(base) + i, 32);
   return __builtin_convertvector(h, v16f);
+#endif
 }
 
 template <DType WT> inline float load_w1(const void* base, int64_t i);
@@ -114,8 +136,11 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) acc[i][j] = v16f{};
   const int64_t kv = K / kLanes * kLanes;
+  const int64_t esz = WT == DType::F32 ? 4 : 2;
   for (int64_t k = 0; k < kv; k += kLanes) {
     v16f wv[nr];
+    if (k * esz % 64 == 0)
+      for (int j = 0; j < nr; ++j) __builtin_prefetch(w + (j + kPrefetchTiles * nr) * ldw_bytes + k * esz, 0, 3);
     for (int j = 0; j < nr; ++j) wv[j] = load_w<WT>(w + j * ldw_bytes, k);
     for (int i = 0; i < mr; ++i) {
       v16f xv;
@@ -177,8 +202,9 @@ inline float lane_sum(__m256 lo, __m256 hi) {
 // the 8-lane weight vector of row j that pairs with them, for every whole 16-element block kb, each lane
 // in K order through fused multiply-adds; part[h][i][j] gets pass h's 8 lanes. The second pass reads the
 // tile's weights from cache, so only mr x nr accumulators are live at a time.
-template <int mr, int nr, typename WeightVec>
-inline void accumulate_halves(const float* x, int64_t ldx, int64_t kv, WeightVec weight, float (&part)[2][mr][nr][8]) {
+template <int mr, int nr, typename WeightVec, typename Ahead>
+inline void accumulate_halves(const float* x, int64_t ldx, int64_t kv, WeightVec weight, Ahead ahead,
+                              float (&part)[2][mr][nr][8]) {
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     __m256 acc[mr][nr];
@@ -187,12 +213,14 @@ inline void accumulate_halves(const float* x, int64_t ldx, int64_t kv, WeightVec
 #pragma GCC unroll 8
       for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < kv; kb += kLanes) {
+      if (h == 0) ahead(kb);
       __m256 wv[nr];
 #pragma GCC unroll 8
       for (int j = 0; j < nr; ++j) wv[j] = weight(h, j, kb);
 #pragma GCC unroll 8
       for (int i = 0; i < mr; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * ldx + kb + 8 * h);
+        __m256 xv = _mm256_loadu_ps(x + i * ldx + kb + 8 * h);
+        asm("" : "+x"(xv));  // one load, not one per fma (as in panel_tile)
 #pragma GCC unroll 8
         for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
       }
@@ -222,8 +250,12 @@ template <DType WT, int mr, int nr>
 void tile_avx2(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t K, TileResult& res) {
   const int64_t kv = K / kLanes * kLanes;
   float part[2][mr][nr][8];
+  const int64_t esz = WT == DType::F32 ? 4 : 2;
   accumulate_halves<mr, nr>(x, ldx, kv, [&](int h, int j, int64_t kb) {
     return load_w8<WT>(w + j * ldw_bytes, kb + 8 * h);
+  }, [&](int64_t kb) {
+    if (kb * esz % 64 == 0)
+      for (int j = 0; j < nr; ++j) _mm_prefetch(w + (j + kPrefetchTiles * nr) * ldw_bytes + kb * esz, _MM_HINT_T0);
   }, part);
   finish_halves<WT>(part, [](__m256 lo, __m256 hi) { return lane_sum(lo, hi); }, x, ldx, w, ldw_bytes, kv, K, res);
 }
@@ -277,6 +309,9 @@ void tile_bf16_pairs(const float* xp, int64_t ldx, const char* w, int64_t ldw_by
   } else {  // even residues, then odd ones
     accumulate_halves<mr, nr>(xp, ldx, kv, [&](int h, int j, int64_t kb) {
       return h == 0 ? bf16_even(wrow(j, kb)) : bf16_odd(wrow(j, kb));
+    }, [&](int64_t kb) {
+      if (kb % 32 == 0)
+        for (int j = 0; j < nr; ++j) _mm_prefetch(w + (j + kPrefetchTiles * nr) * ldw_bytes + 2 * kb, _MM_HINT_T0);
     }, part);
   }
   finish_halves<DType::BF16>(part, lane_sum_pairs, xp, ldx, w, ldw_bytes, kv, K, res);
@@ -305,8 +340,9 @@ constexpr bool kAvx2Tiles = false;
 
 template <DType WT, int mr>
 void tile_n(int nr, const float* x, int64_t ldx, const char* w, int64_t ldw, int64_t K, TileResult& res) {
-  if constexpr (mr > 4) {  // 8 x 2 at most: 16 accumulators
-    if (nr >= 2) tile<WT, mr, 2>(x, ldx, w, ldw, K, res);
+  if constexpr (mr > 4) {  // 8 x 3 at most (fp32 weights; 8 x 2 for 16-bit ones, widened in registers)
+    if (nr >= 3 && WT == DType::F32) tile<WT, mr, 3>(x, ldx, w, ldw, K, res);
+    else if (nr == 2) tile<WT, mr, 2>(x, ldx, w, ldw, K, res);
     else tile<WT, mr, 1>(x, ldx, w, ldw, K, res);
   } else {
     switch (nr) {
@@ -367,7 +403,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
   const int64_t nblocks = (N + NB - 1) / NB;
   const bool widen = WT != DType::F32 && M >= 16;
   const int64_t tm = kAvx2Tiles ? std::min<int64_t>(M, 4) : (M > 4 && M < 16) ? 8 : MR;
-  const int64_t tn = kAvx2Tiles ? (tm <= 2 ? 4 : 3) : tm > 4 ? 2 : NR;
+  const int64_t tn = kAvx2Tiles ? (tm <= 2 ? 4 : 3) : tm > 4 ? (WT == DType::F32 ? 3 : 2) : NR;
   const float* xp = x.ptr<float>();
   const char* wp = static_cast<const char*>(w.data);
   const bool par = M * N * K > (1 << 16);
@@ -396,15 +432,150 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
   });
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// ---- Many rows (prefill): packed weight panels and register-blocked tiles ----------------------------------
+// The same arithmetic as tile() / tile_avx2() (each output's 16 lanes accumulate k = lane mod 16 in K order by
+// fma, the build's lane sum, then the tail past K / 16 * 16 in K order), so every output is bit-identical to the
+// few-row paths: only the data layout and the register blocking differ. A panel holds kPanelRows weight rows
+// as fp32 (16-bit weights widened exactly), ordered as the tile reads them: for each pass (a 16-lane vector
+// on AVX-512; two 8-lane halves on AVX2), each 16-element block k, the rows' vectors side by side, then the
+// rows' tails. Tiles: AVX-512 8 x rows by 3 panel rows = 24 accumulators + 3 weight vectors + 1 x vector of
+// the 32 registers (11 loads per 24 fmas); AVX2 4 x 3 = 12 accumulators + 3 + 1 of 16, per half.
+#if defined(__AVX512F__)
+using VecF = __m512;
+constexpr int kVecLanes = 16, kPasses = 1, kPackedTileRows = 8;
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vzero() { return _mm512_setzero_ps(); }
+#else
+using VecF = __m256;
+constexpr int kVecLanes = 8, kPasses = 2, kPackedTileRows = 4;
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vzero() { return _mm256_setzero_ps(); }
+#endif
+constexpr int kPanelRows = 3;
+constexpr int64_t kPanelsPerBlock = 16;  // a thread's unit of work: 48 weight rows, packed once per call
+
+// Floats of one panel for K: the vector part, then the rows' tails.
+inline int64_t panel_floats(int64_t K) { return int64_t(kPanelRows) * K; }
+
+// Packs weight rows [n0, n0 + rows) (rows <= kPanelRows; missing rows are zeros, their outputs dropped).
+template <DType WT>
+void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* panel) {
+  const int64_t kv = K / kLanes * kLanes, nkb = kv / kLanes, tail = K - kv;
+  float row[kLanes];
+  for (int j = 0; j < kPanelRows; ++j) {
+    const char* wr = w + j * ldw_bytes;
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      if (j < rows) {
+        const v16f v = load_w<WT>(wr, kb * kLanes);
+        std::memcpy(row, &v, sizeof row);
+      } else {
+        std::fill(row, row + kLanes, 0.f);
+      }
+      for (int h = 0; h < kPasses; ++h)
+        std::memcpy(panel + ((h * nkb + kb) * kPanelRows + j) * kVecLanes, row + h * kVecLanes, kVecLanes * 4);
+    }
+    float* pt = panel + kPanelRows * kv + j * tail;
+    for (int64_t k = kv; k < K; ++k) pt[k - kv] = j < rows ? load_w1<WT>(wr, k) : 0.f;
+  }
+}
+
+// res[i][j] = x row i . panel row j for i < mr, j < kPanelRows.
+template <int mr>
+void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t K, TileResult& res) {
+  const int64_t kv = K / kLanes * kLanes, nkb = kv / kLanes, tail = K - kv;
+  alignas(64) float part[kPasses][mr][kPanelRows][kVecLanes];
+  for (int h = 0; h < kPasses; ++h) {
+    VecF acc[mr][kPanelRows];
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < kPanelRows; ++j) acc[i][j] = vzero();
+    const float* wp = panel + h * nkb * kPanelRows * kVecLanes;
+    const float* xp = x + h * kVecLanes;
+    for (int64_t kb = 0; kb < nkb; ++kb, wp += kPanelRows * kVecLanes, xp += kLanes) {
+      VecF wv[kPanelRows];
+#pragma GCC unroll 8
+      for (int j = 0; j < kPanelRows; ++j) wv[j] = vload(wp + j * kVecLanes);
+#pragma GCC unroll 8
+      for (int i = 0; i < mr; ++i) {
+        VecF xv = vload(xp + i * ldx);
+        // One load per x vector: without this, -mtune=haswell folds it into each fma as a memory operand
+        // (3 loads instead of 1; 30% slower on a Sapphire Rapids VM, tools/gemm_cpu_bench.cpp).
+        asm("" : "+x"(xv));
+#pragma GCC unroll 8
+        for (int j = 0; j < kPanelRows; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < kPanelRows; ++j) std::memcpy(part[h][i][j], &acc[i][j], sizeof(VecF));
+  }
+  float sums[mr][kPanelRows];
+#if defined(__AVX512F__)
+  lane_sums<mr * kPanelRows>(reinterpret_cast<const __m512*>(&part[0][0][0][0]), &sums[0][0]);
+#else
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < kPanelRows; ++j) sums[i][j] = lane_sum(vload(part[0][i][j]), vload(part[1][i][j]));
+#endif
+  const float* pt = panel + kPanelRows * kv;
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < kPanelRows; ++j) {
+      float t = 0.f;
+      for (int64_t k = kv; k < K; ++k) t = std::fma(x[i * ldx + k], pt[j * tail + k - kv], t);
+      res[i][j] = sums[i][j] + t;
+    }
+}
+
+// x (fp32) @ w^T for many rows: threads take blocks of kPanelsPerBlock panels; each packs its block, then every
+// tile of x rows passes over it (the x tile stays in L1 while the block's panels stream from L2).
+template <DType WT>
+void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
+                 bool accumulate) {
+  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  const int64_t ldw = w.stride * int64_t(dtype_size(WT));
+  const int64_t block_rows = kPanelsPerBlock * kPanelRows, nblocks = (N + block_rows - 1) / block_rows;
+  const int64_t pf = panel_floats(K);
+  const char* wp = static_cast<const char*>(w.data);
+  const float* xp = x.ptr<float>();
+  pool.for_dynamic(nblocks, M * N * K > (1 << 16), [&](int64_t nb, int) {
+    thread_local std::vector<float> block_mem;
+    float* block = aligned_floats(block_mem, size_t(kPanelsPerBlock * pf));
+    const int64_t n_begin = nb * block_rows, n_end = std::min(N, n_begin + block_rows);
+    const int64_t panels = (n_end - n_begin + kPanelRows - 1) / kPanelRows;
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = n_begin + p * kPanelRows;
+      pack_panel<WT>(wp + n0 * ldw, ldw, int(std::min<int64_t>(kPanelRows, n_end - n0)), K, block + p * pf);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kPackedTileRows) {
+      const int mr = int(std::min<int64_t>(kPackedTileRows, M - m0));
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = n_begin + p * kPanelRows;
+        TileResult res;
+        with_rows(mr, [&](auto rows) {
+          constexpr int r = decltype(rows)::value;
+          if constexpr (r <= kPackedTileRows) panel_tile<r>(xp + m0 * x.stride, x.stride, block + p * pf, K, res);
+        });
+        store_tile(res, mr, int(std::min<int64_t>(kPanelRows, n_end - n0)), m0, n0, bias, out, accumulate);
+      }
+    }
+  });
+}
+constexpr bool kPackedPath = true;
+#else
+constexpr bool kPackedPath = false;
+template <DType WT>
+void gemm_packed(const Tensor&, const Tensor&, const Tensor*, Tensor&, ThreadPool&, bool) {}
+#endif
+// Row count from which the packed path runs (below it, tiles read the weights in place: decode).
+constexpr int64_t kPackedMinRows = 16;
+
 #if defined(__AVX512BF16__)
 // bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
 // multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
-// Each step of a tile prefetches the same 64 bytes of the weight rows two tiles on (the rows a thread walks
-// next when the x rows fit one tile; with more, the last tiles of a pass prefetch ahead of the next pass's
-// start, which is harmless). On a 2-core AVX512-BF16 VM this took one decode step's products at 1 / 8 rows
-// from 4.86 / 6.33 to 4.60 / 5.04 ms (tools/gemm_cpu_bench.cpp; a plain read of that VM's memory runs at
-// ~44 GB/s). Addresses past the last row are only prefetched (no fault on x86), never read.
-constexpr int kPrefetchTiles = 2;
 
 template <int mr, int nr>
 void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
@@ -462,18 +633,84 @@ void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
   }
 }
 
+// Many rows with AVX512-BF16: panels of kPanelRows bf16 weight rows, each 32-element block of the rows side by
+// side (zeros past K and past the last row), against x rows padded with zeros to a whole block: the zero pairs
+// are tile_dp's masked last step, so every output is bit-identical to the few-row tiles. Tiles of 8 x rows by
+// 3 panel rows: 24 accumulators + 3 weight vectors + 1 x vector of the 32 registers.
+void pack_panel_bf16(const uint16_t* w, int64_t ldw, int rows, int64_t K, uint16_t* panel) {
+  const int64_t nkb = (K + 31) / 32;
+  for (int64_t kb = 0; kb < nkb; ++kb)
+    for (int j = 0; j < kPanelRows; ++j) {
+      uint16_t* dst = panel + (kb * kPanelRows + j) * 32;
+      const int64_t n = j < rows ? std::min<int64_t>(32, K - kb * 32) : 0;
+      if (n > 0) std::memcpy(dst, w + j * ldw + kb * 32, size_t(n) * 2);
+      std::fill(dst + std::max<int64_t>(n, 0), dst + 32, uint16_t(0));
+    }
+}
+
+template <int mr>
+void panel_tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t nkb, TileResult& res) {
+  __m512 acc[mr][kPanelRows];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < kPanelRows; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb, panel += kPanelRows * 32, x += 32) {
+    __m512i wv[kPanelRows];
+    for (int j = 0; j < kPanelRows; ++j) wv[j] = _mm512_load_si512(panel + j * 32);
+    for (int i = 0; i < mr; ++i) {
+      const __m512i xv = _mm512_loadu_si512(x + i * ldx);
+      for (int j = 0; j < kPanelRows; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv[j]));
+    }
+  }
+  float sums[mr][kPanelRows];
+  lane_sums<mr * kPanelRows>(&acc[0][0], &sums[0][0]);
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < kPanelRows; ++j) res[i][j] = sums[i][j];
+}
+
 void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
                   bool accumulate) {
   const int64_t M = x.rows, N = w.rows, K = x.cols;
-  std::vector<uint16_t> xb(size_t(M * K));
+  const bool packed = M >= kPackedMinRows;
+  const int64_t nkb = (K + 31) / 32, ldx = packed ? nkb * 32 : K;  // packed: rows padded with zeros to 32
+  std::vector<float> xb_mem;
+  uint16_t* xb = reinterpret_cast<uint16_t*>(aligned_floats(xb_mem, size_t(M * ldx + 1) / 2));
   pool.for_static(M, M * K > (1 << 14), [&](int64_t r) {
-    for (int64_t k = 0; k < K; ++k) xb[r * K + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
+    for (int64_t k = 0; k < K; ++k) xb[r * ldx + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
+    for (int64_t k = K; k < ldx; ++k) xb[r * ldx + k] = 0;
   });
-  const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
-  // Row tile by batch: prefill (16+ rows) 6 x 4, 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
-  const int64_t tm = M >= 16 ? 6 : M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
   const uint16_t* wp = w.ptr<uint16_t>();
   const bool par = M * N * K > (1 << 16);
+  if (packed) {  // threads take blocks of kPanelsPerBlock panels, as gemm_packed
+    const int64_t block_rows = kPanelsPerBlock * kPanelRows, nblocks = (N + block_rows - 1) / block_rows;
+    const int64_t panel_elems = nkb * kPanelRows * 32;
+    pool.for_dynamic(nblocks, par, [&](int64_t nb, int) {
+      thread_local std::vector<float> block_mem;
+      uint16_t* block = reinterpret_cast<uint16_t*>(aligned_floats(block_mem, size_t(kPanelsPerBlock * panel_elems / 2)));
+      const int64_t n_begin = nb * block_rows, n_end = std::min(N, n_begin + block_rows);
+      const int64_t panels = (n_end - n_begin + kPanelRows - 1) / kPanelRows;
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = n_begin + p * kPanelRows;
+        pack_panel_bf16(wp + n0 * w.stride, w.stride, int(std::min<int64_t>(kPanelRows, n_end - n0)), K,
+                        block + p * panel_elems);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kPackedTileRows) {
+        const int mr = int(std::min<int64_t>(kPackedTileRows, M - m0));
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t n0 = n_begin + p * kPanelRows;
+          TileResult res;
+          with_rows(mr, [&](auto rows) {
+            panel_tile_dp<decltype(rows)::value>(xb + m0 * ldx, ldx, block + p * panel_elems, nkb, res);
+          });
+          store_tile(res, mr, int(std::min<int64_t>(kPanelRows, n_end - n0)), m0, n0, bias, out, accumulate);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
+  // Row tile by batch: 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
+  const int64_t tm = M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
   pool.for_static(nblocks, par, [&](int64_t nb) {
     const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
     for (int64_t m0 = 0; m0 < M; m0 += tm) {
@@ -481,9 +718,9 @@ void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& 
       for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
         const int nr = int(std::min<int64_t>(tn, nend - n0));
         TileResult res;
-        const uint16_t* xr = xb.data() + m0 * K;
+        const uint16_t* xr = xb + m0 * ldx;
         const uint16_t* wr = wp + n0 * w.stride;
-        with_rows(mr, [&](auto rows) { tile_dp_n<decltype(rows)::value>(nr, xr, K, wr, w.stride, K, res); });
+        with_rows(mr, [&](auto rows) { tile_dp_n<decltype(rows)::value>(nr, xr, ldx, wr, w.stride, K, res); });
         store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
       }
     }
@@ -498,26 +735,35 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, Thr
   QRT_CHECK(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows,
             "cpu linear: shape mismatch x[", x.rows, ",", x.cols, "] w[", w.rows, ",", w.cols, "] out[",
             out.rows, ",", out.cols, "]");
+  const bool packed = kPackedPath && x.rows >= kPackedMinRows;
   switch (w.dtype) {
-    case DType::F32: gemm_t<DType::F32>(x, w, bias, out, pool, accumulate); break;
+    case DType::F32:
+      if (packed) gemm_packed<DType::F32>(x, w, bias, out, pool, accumulate);
+      else gemm_t<DType::F32>(x, w, bias, out, pool, accumulate);
+      break;
     case DType::BF16:
 #if defined(__AVX512BF16__)
       gemm_bf16_dp(x, w, bias, out, pool, accumulate);
 #else
       {  // same products as the dot-product path: x rounded to bf16
-        std::vector<float> xr(size_t(x.rows * x.cols));
-        const bool pairs = kAvx2Tiles && x.rows < 16;  // 16+ rows widen the weights to fp32 instead
+        std::vector<float> xr_mem;
+        float* xr = aligned_floats(xr_mem, size_t(x.rows * x.cols));
+        const bool pairs = kAvx2Tiles && !packed;
         for (int64_t r = 0; r < x.rows; ++r) {
           for (int64_t k = 0; k < x.cols; ++k)
             xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
-          if (pairs) permute_x_pairs(xr.data() + r * x.cols, x.cols);
+          if (pairs) permute_x_pairs(xr + r * x.cols, x.cols);
         }
-        Tensor xt(xr.data(), DType::F32, x.rows, x.cols);
-        gemm_t<DType::BF16>(xt, w, bias, out, pool, accumulate, pairs);
+        Tensor xt(xr, DType::F32, x.rows, x.cols);
+        if (packed) gemm_packed<DType::BF16>(xt, w, bias, out, pool, accumulate);
+        else gemm_t<DType::BF16>(xt, w, bias, out, pool, accumulate, pairs);
       }
 #endif
       break;
-    case DType::F16: gemm_t<DType::F16>(x, w, bias, out, pool, accumulate); break;
+    case DType::F16:
+      if (packed) gemm_packed<DType::F16>(x, w, bias, out, pool, accumulate);
+      else gemm_t<DType::F16>(x, w, bias, out, pool, accumulate);
+      break;
     default: QRT_CHECK(false, "cpu linear: weight dtype ", dtype_name(w.dtype), " not supported");
   }
 }
