@@ -63,8 +63,9 @@ def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
     from qwen_rt import bench
 
     rec_path = tmp_path / "rec.jsonl"
+    # Four rounds: a decode step is a difference of two timings, which a loaded machine can make negative in one.
     argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "16", "--batch-sizes", "1,2",
-            "--dtype", "float32,bfloat16", "--json", str(rec_path)]
+            "--repeats", "4", "--dtype", "float32,bfloat16", "--json", str(rec_path)]
     assert bench.main(argv) == 0
     rec = json.loads(rec_path.read_text().splitlines()[-1])
     assert rec["bench"] == "cpu-phases" and rec["model"]["num_hidden_layers"] == 2
