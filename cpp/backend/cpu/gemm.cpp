@@ -396,9 +396,9 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
   const int64_t esz = int64_t(dtype_size(WT));
   const int64_t ldw = w.stride * esz;
   // A block of NB weight rows stays in cache while every row of x passes over it.
-  // Tiles: up to 4 x 4 for few rows (decode), 8 x 2 for 5..15 rows (each weight load serves 8 rows),
-  // and for prefill (16+ rows) a 16-bit block is widened to fp32 once (exactly) and then 4 x 4 tiles.
-  // AVX2 tiles (tile_n): 1 x 4, 2 x 4, 3 x 3, 4 x 3.
+  // Tiles: up to 4 x 4 for few rows (decode), 8 x 3 (fp32) or 8 x 2 for 5..15 rows (each weight load serves
+  // 8 rows), and for prefill (16+ rows; builds without AVX2 only, gemm_packed takes them otherwise) a 16-bit
+  // block is widened to fp32 once (exactly) and then 4 x 4 tiles. AVX2 tiles (tile_n): 1 x 4, 2 x 4, 3 x 3, 4 x 3.
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
   const bool widen = WT != DType::F32 && M >= 16;
