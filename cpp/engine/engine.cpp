@@ -266,6 +266,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(opt.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1");
   QRT_CHECK_ARG(opt.page_size >= 1 && (opt.page_size & (opt.page_size - 1)) == 0,
                 "page_size must be a power of two");
+  QRT_CHECK_ARG(opt.state_snapshots >= 0, "state_snapshots must be >= 0");
+  if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   const bool default_len = opt.max_model_len <= 0;
   if (default_len) opt.max_model_len = cfg.max_position_embeddings;
   QRT_CHECK_ARG(opt.max_model_len <= cfg.max_position_embeddings, "max_model_len ", opt.max_model_len,
@@ -335,18 +337,19 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   // DeltaNet state, one per slot (and the scratch slot), before the KV pool takes what memory is left.
   const int delta_layers = cfg.num_delta_net_layers();
   size_t state_bytes = 0;
-  const int snapshots = opt.prefix_caching ? opt.state_snapshots : 0;
   if (delta_layers > 0) {
     on_ranks([&](int, Rank& rk) {
-      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, snapshots,
+      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, opt.state_snapshots,
                                               rk.model->delta_net_shape(), rk.be->act_dtype());
       rk.be->synchronize();
     }, kNoLimit);
-    state_bytes = StateCache::bytes_per_slot(delta_layers, ranks[0].model->delta_net_shape(), ranks[0].be->act_dtype()) *
-                  size_t(opt.max_batch_size + 1 + snapshots);
+    const Rank& r0 = ranks[0];
+    state_bytes = StateCache::bytes_per_slot(delta_layers, r0.model->delta_net_shape(), r0.be->act_dtype()) *
+                  size_t(opt.max_batch_size + 1 + opt.state_snapshots);
   }
   // KV pool: the same number of pages on every rank.
-  const size_t bpp = KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
+  const size_t bpp =
+      KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -388,7 +391,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.max_model_len = opt.max_model_len;
   so.prefix_caching = opt.prefix_caching;
   so.has_state = delta_layers > 0;
-  so.state_snapshots = snapshots;
+  so.state_snapshots = opt.state_snapshots;
   sched = std::make_unique<Scheduler>(so);
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
@@ -412,7 +415,7 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   const Footprint f = footprint(cfg, sh);
   const double sampling = cuda ? double(opt.max_batch_size) * cfg.vocab_size * 4 : 0;  // reserve_sampling
   // Every slot's state, the scratch slot's and the snapshots'.
-  const double state = double(opt.max_batch_size + 1 + (opt.prefix_caching ? opt.state_snapshots : 0)) * f.state_slot;
+  const double state = double(opt.max_batch_size + 1 + opt.state_snapshots) * f.state_slot;
   const double fixed = f.weights + f.workspace + sampling + state;
   const double per_position = f.rope_position + double(opt.max_batch_size) * 4 / opt.page_size;
   // Memory free now on the rank with the least; CPU ranks share one memory.
@@ -427,9 +430,11 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   const double positions = default_len ? 2 : opt.max_model_len;
   const double need = fixed + positions * per_position + 2 * f.kv_page;  // one page and the scratch page
   QRT_CHECK_ARG(need * sharing <= free_b, "the model needs at least ", int64_t(need), " bytes per rank",
-                n > 1 && !cuda ? str_cat(" (", n, " ranks share it)") : std::string(), ": weights ", int64_t(f.weights), ", workspace ",
-                int64_t(f.workspace + sampling), state > 0 ? str_cat(", DeltaNet state ", int64_t(state)) : std::string(), ", RoPE table ", int64_t(positions * per_position), ", KV cache of one ",
-                "page ", int64_t(2 * f.kv_page), "; ", where, " has ", int64_t(free_b), " bytes available");
+                n > 1 && !cuda ? str_cat(" (", n, " ranks share it)") : std::string(), ": weights ",
+                int64_t(f.weights), ", workspace ", int64_t(f.workspace + sampling),
+                state > 0 ? str_cat(", DeltaNet state ", int64_t(state)) : std::string(), ", RoPE table ",
+                int64_t(positions * per_position), ", KV cache of one page ", int64_t(2 * f.kv_page), "; ", where,
+                " has ", int64_t(free_b), " bytes available");
   if (!default_len) return;
   // The most pages the pool could take (build sizes it from what is left after loading: fewer).
   const double pages = opt.kv_cache_memory > 0 ? double(opt.kv_cache_memory) / f.kv_page

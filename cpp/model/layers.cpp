@@ -1,6 +1,8 @@
 #include "model/layers.h"
 
+#include <array>
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 
@@ -113,22 +115,38 @@ bool DeltaNetLayer::fuses_ba(const std::string& p, const ModelConfig& c) {
   return c.fp8(p + "in_proj_qkv") == c.fp8(p + "in_proj_b");
 }
 
-LinearSpec DeltaNetLayer::in_proj_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+namespace {
+
+// This rank's rows of a [q of every key head | k | v] tensor (in_proj_qkv's rows, conv1d's channels): (first row,
+// rows) of the q, k and v parts, in the order this rank stores them.
+std::array<std::pair<int64_t, int64_t>, 3> qkv_rows(const ModelConfig& c, const Shard& sh) {
   const DeltaNetShape& d = sh.delta;
-  const int64_t H = c.hidden_size, dk = d.k_dim, dv = d.v_dim, Hk = c.linear_k_heads, Hv = c.linear_v_heads;
-  const int64_t conv_all = 2 * Hk * dk + Hv * dv;
+  const int64_t qk_all = int64_t(c.linear_k_heads) * d.k_dim;
+  return {{{int64_t(sh.k_head0) * d.k_dim, d.qk_cols()},
+           {qk_all + int64_t(sh.k_head0) * d.k_dim, d.qk_cols()},
+           {2 * qk_all + int64_t(sh.v_head0) * d.v_dim, d.v_cols()}}};
+}
+
+int64_t qkv_rows_all(const ModelConfig& c) {
+  return 2 * int64_t(c.linear_k_heads) * c.linear_k_dim + int64_t(c.linear_v_heads) * c.linear_v_dim;
+}
+
+// This rank's rows of in_proj_b, then of in_proj_a.
+void add_ba(LinearSpec& s, const std::string& p, const ModelConfig& c, const Shard& sh) {
+  s.add(p + "in_proj_b", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
+  s.add(p + "in_proj_a", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
+}
+
+}  // namespace
+
+LinearSpec DeltaNetLayer::in_proj_spec(const std::string& p, const ModelConfig& c, const Shard& sh) {
+  const int64_t H = c.hidden_size, Hv = c.linear_v_heads, dv = sh.delta.v_dim;
   LinearSpec s;
   s.in = H;
   s.ranks = sh.ranks;
-  // The rows of this rank's heads of [q of every key head | k | v], then z.
-  s.add(p + "in_proj_qkv", conv_all, H, sh.k_head0 * dk, d.qk_cols());
-  s.add(p + "in_proj_qkv", conv_all, H, Hk * dk + sh.k_head0 * dk, d.qk_cols());
-  s.add(p + "in_proj_qkv", conv_all, H, 2 * Hk * dk + sh.v_head0 * dv, d.v_cols());
-  s.add(p + "in_proj_z", Hv * dv, H, sh.v_head0 * dv, d.v_cols());
-  if (fuses_ba(p, c)) {
-    s.add(p + "in_proj_b", Hv, H, sh.v_head0, d.v_heads);
-    s.add(p + "in_proj_a", Hv, H, sh.v_head0, d.v_heads);
-  }
+  for (const auto& [r0, n] : qkv_rows(c, sh)) s.add(p + "in_proj_qkv", qkv_rows_all(c), H, r0, n);
+  s.add(p + "in_proj_z", Hv * dv, H, sh.v_head0 * dv, sh.delta.v_cols());
+  if (fuses_ba(p, c)) add_ba(s, p, c, sh);
   return s;
 }
 
@@ -136,8 +154,7 @@ LinearSpec DeltaNetLayer::ba_spec(const std::string& p, const ModelConfig& c, co
   LinearSpec s;
   s.in = c.hidden_size;
   s.ranks = sh.ranks;
-  s.add(p + "in_proj_b", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
-  s.add(p + "in_proj_a", c.linear_v_heads, c.hidden_size, sh.v_head0, sh.delta.v_heads);
+  add_ba(s, p, c, sh);
   return s;
 }
 
@@ -152,16 +169,15 @@ LinearSpec DeltaNetLayer::out_spec(const std::string& p, const ModelConfig& c, c
 
 void DeltaNetLayer::load(WeightLoader& ld, const std::string& p, const ModelConfig& c, const Shard& sh) {
   const DeltaNetShape& d = sh.delta;
-  const int64_t dk = d.k_dim, dv = d.v_dim, K = d.conv_kernel;
-  const int64_t Hk = c.linear_k_heads, Hv = c.linear_v_heads, qk = d.qk_cols(), vn = d.v_cols();
-  const int64_t conv_all = 2 * Hk * dk + Hv * dv;
+  const int64_t dv = d.v_dim, K = d.conv_kernel, Hv = c.linear_v_heads;
   in_proj = ld.linear(in_proj_spec(p, c, sh));
   in_proj_ba = fuses_ba(p, c) ? Linear{} : ld.linear(ba_spec(p, c, sh));
   conv_w = ld.alloc(ld.backend().act_dtype(), d.conv_cols(), K);
-  const std::string conv = p + "conv1d.weight";
-  ld.load(conv, conv_all, K, sh.k_head0 * dk, 0, conv_w.row_slice(0, qk));
-  ld.load(conv, conv_all, K, Hk * dk + sh.k_head0 * dk, 0, conv_w.row_slice(qk, qk));
-  ld.load(conv, conv_all, K, 2 * Hk * dk + sh.v_head0 * dv, 0, conv_w.row_slice(2 * qk, vn));
+  int64_t row = 0;  // the conv's channels are in_proj_qkv's rows
+  for (const auto& [r0, n] : qkv_rows(c, sh)) {
+    ld.load(p + "conv1d.weight", qkv_rows_all(c), K, r0, 0, conv_w.row_slice(row, n));
+    row += n;
+  }
   a_log = ld.vector(p + "A_log", Hv, sh.v_head0, d.v_heads, 1.0f, 0.f);
   dt_bias = ld.vector(p + "dt_bias", Hv, sh.v_head0, d.v_heads, 0.f, 1.0f);
   norm_w = ld.vector(p + "norm.weight", dv, 0, dv, 0.f, 1.0f);

@@ -30,6 +30,15 @@ inline bool aligned16(const void* p, int64_t stride_bytes) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride_bytes % 16 == 0;
 }
 
+// 16 bytes of weights, read once: not kept in L1 (which holds the activations).
+__device__ __forceinline__ uint4 load_weight(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // ---- warp reductions (all 32 lanes must call) ------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -41,7 +50,6 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-
 // Sum over the block (every thread must call; returns the total to all; reusable back to back).
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float red[32];
@@ -108,6 +116,17 @@ template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// 1 / rms of the n values at p (the warp's lanes take every 32nd, then warp_sum): an RMSNorm's multiplier.
+template <typename T>
+__device__ __forceinline__ float warp_inv_rms(const T* p, int n, float eps) {
+  float ss = 0.f;
+  for (int i = int(threadIdx.x & 31); i < n; i += 32) {
+    const float v = to_f(p[i]);
+    ss += v * v;
+  }
+  return 1.0f / sqrtf(warp_sum(ss) / float(n) + eps);
+}
 
 template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }

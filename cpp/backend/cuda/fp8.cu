@@ -21,13 +21,6 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps: 8 weight rows per block
 constexpr int kWarps = kThreads / 32;
 
-__device__ __forceinline__ uint4 load_weight(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ float fp8_value(uint8_t b) {
   __nv_fp8_e4m3 v;

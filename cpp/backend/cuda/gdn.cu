@@ -45,13 +45,7 @@ __global__ void gated_rms_norm_kernel(T* x, int64_t xs, const T* z, int64_t zs, 
   const int h = int(task % heads);
   T* p = x + r * xs + int64_t(h) * hd;
   const T* zp = z + r * zs + int64_t(h) * hd;
-  float ss = 0.f;
-  for (int i = lane; i < hd; i += 32) {
-    const float v = to_f(p[i]);
-    ss += v * v;
-  }
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(hd) + eps);
+  const float inv = warp_inv_rms(p, hd, eps);
   for (int i = lane; i < hd; i += 32) {
     const float zi = to_f(zp[i]);
     p[i] = from_f<T>(to_f(p[i]) * inv * load_any(w, wt, i) * (zi * sigmoid(zi)));

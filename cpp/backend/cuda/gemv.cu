@@ -56,14 +56,6 @@ int64_t grid_blocks(int64_t groups, int num_sms) {
   return std::min<int64_t>(groups, int64_t(num_sms) * per_sm);
 }
 
-// A weight piece, read once: not kept in L1 (which holds x).
-__device__ __forceinline__ uint4 load_weight(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
