@@ -59,6 +59,9 @@ struct KvLayer {
   void* k = nullptr;
   void* v = nullptr;
   DType dtype = DType::F32;
+  // Sparse decode's page summaries (null when off): rows 2 p and 2 p + 1 hold, per column, the min and the max of
+  // the keys page p holds so far ([2 * (pages + 1), kv_cols] in the KV dtype; summarize_pages keeps them).
+  void* summary = nullptr;
 };
 
 // A ragged batch as attention sees it. Sequence s owns query rows [q_start[s], q_start[s+1]);
@@ -76,6 +79,24 @@ struct AttnBatch {
   int max_q_len = 0;    // host-side maxima, for launch shapes
   int max_ctx_len = 0;
   const int32_t* slots = nullptr;       // [num_seqs] state slot of each sequence (models with DeltaNet layers)
+  // Attention only: each (sequence, kv head) has a page list of its own (select_pages' output): page_table is
+  // [num_seqs, kv_heads, max_pages] and ctx_len [num_seqs, kv_heads], the keys of that list; a query row's causal
+  // mask counts within it. (The rows' positions are unchanged: RoPE is in the cached keys.)
+  bool head_tables = false;
+};
+
+// Sparse decode (Quest-style page selection): a sequence that decodes one token with more than budget_pages
+// pages attends, per kv head, to its first sink_pages, its last window_pages (the current page among them) and
+// the budget_pages - sink_pages - window_pages others that score highest, where a page's score for kv head h is
+// the largest over h's query heads of sum_c max(q_c min_c, q_c max_c) (an upper bound of q . k over its keys;
+// ties: the earlier page). Other sequences, and one of at most budget_pages pages, attend to every page.
+struct SparseAttention {
+  int budget_pages = 0;  // 0: off
+  int sink_pages = 0;
+  int window_pages = 1;  // >= 1, and sink_pages + window_pages < budget_pages
+  bool selects(int ctx_len, int q_len, int page_size) const {
+    return budget_pages > 0 && q_len == 1 && (ctx_len + page_size - 1) / page_size > budget_pages;
+  }
 };
 
 // Gated DeltaNet sizes on one rank: key heads, value heads (a multiple of the key heads: value head j reads key
@@ -265,6 +286,20 @@ class Backend {
   // K/V of this step must already be written.
   virtual void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch,
                          const AttnShape& shape, Tensor& out) = 0;
+  // Sparse decode. summarize_pages: after write_kv, every page this step wrote a key into gets its summary
+  // (cache.summary) over the keys it holds: rows page * page_size .. the step's last row in it.
+  virtual void summarize_pages(const KvLayer& cache, const AttnBatch& batch, int kv_cols) {
+    (void)cache, (void)batch, (void)kv_cols, unsupported("summarize_pages");
+  }
+  // The page list of every (sequence, kv head) of batch (shared tables) for attention with head_tables: pages
+  // [num_seqs, kv_heads, batch.max_pages] and keys [num_seqs, kv_heads] (backend memory), by SparseAttention's
+  // rule from q (this step's rows after norm and RoPE) and the summaries; a sequence it does not select for gets
+  // its own list and ctx_len for every head. scores: scratch of num_seqs * kv_heads * max_pages floats.
+  virtual void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
+                            const SparseAttention& sparse, float* scores, int32_t* pages, int32_t* keys) {
+    (void)q, (void)cache, (void)batch, (void)shape, (void)sparse, (void)scores, (void)pages, (void)keys;
+    unsupported("select_pages");
+  }
   // In place: x *= sigmoid(gate) (same shape): the output gate of a gated attention layer.
   virtual void sigmoid_mul(Tensor& x, const Tensor& gate) { (void)x, (void)gate, unsupported("sigmoid_mul"); }
 

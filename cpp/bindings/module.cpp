@@ -87,7 +87,10 @@ NB_MODULE(_core, m) {
       .def_rw("comm_timeout_s", &EngineOptions::comm_timeout_s)
       .def_rw("state_snapshots", &EngineOptions::state_snapshots)
       .def_rw("prefix_caching", &EngineOptions::prefix_caching)
-      .def_rw("check_weights", &EngineOptions::check_weights);
+      .def_rw("check_weights", &EngineOptions::check_weights)
+      .def_rw("sparse_budget_tokens", &EngineOptions::sparse_budget_tokens)
+      .def_rw("sparse_sink_tokens", &EngineOptions::sparse_sink_tokens)
+      .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
       .def(nb::init<>())
@@ -163,6 +166,9 @@ NB_MODULE(_core, m) {
         d["weight_bytes"] = s.weight_bytes;
         d["kv_bytes"] = s.kv_bytes;
         d["state_bytes"] = s.state_bytes;
+        d["sparse_rows"] = s.sparse_rows;
+        d["sparse_pages_attended"] = s.sparse_pages_attended;
+        d["sparse_pages_held"] = s.sparse_pages_held;
         return d;
       });
 

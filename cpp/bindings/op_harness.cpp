@@ -80,6 +80,14 @@ class OpHarness {
     nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
     return F32Out(out, {size_t(t.rows), size_t(t.cols)}, owner);
   }
+  // An int32 tensor back as an int32 array.
+  nb::ndarray<nb::numpy, int32_t, nb::ndim<2>> down_ids(const Tensor& t) {
+    be_->synchronize();
+    int32_t* out = new int32_t[size_t(t.numel())];
+    be_->download(out, t.data, t.nbytes());
+    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+    return nb::ndarray<nb::numpy, int32_t, nb::ndim<2>>(out, {size_t(t.rows), size_t(t.cols)}, owner);
+  }
   DType act() const { return be_->act_dtype(); }
   // A KV cache's dtype: the given one, or the activations' when empty.
   DType kv(const std::string& kv_dtype) const { return kv_dtype.empty() ? act() : parse_dtype(kv_dtype); }
@@ -306,6 +314,48 @@ void bind_op_harness(nb::module_& m) {
              return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
            }, "q"_a, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
            "page_size"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "kv_dtype"_a = "")
+      .def("sparse_attention",
+           [](OpHarness& h, F32In q, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
+              int page_size, int hq, int hkv, int hd, float scale, int budget_pages, int sink_pages,
+              int window_pages) {
+             // Summaries of every page the sequences hold (a batch writing all of their rows), then the lists
+             // and the attention over them. Returns (out, pages [S * hkv, max_pages], keys [1, S * hkv],
+             // summary [2 * cache pages, hkv * hd]).
+             const DType kvt = h.act();
+             Dev qd = h.up(q, h.act()), kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
+             const int64_t kv_cols = int64_t(hkv) * hd, cache_rows = kcd.t.rows;
+             QRT_CHECK_ARG(cache_rows % page_size == 0, "cache rows must be whole pages");
+             Dev sum = h.empty(2 * (cache_rows / page_size), kv_cols, kvt);
+             const int S = int(ctx_len.size()), P = S ? int(page_table.size()) / S : 0;
+             std::vector<int32_t> rows;
+             for (int si = 0; si < S; ++si)
+               for (int j = 0; j < ctx_len.data()[si]; ++j)
+                 rows.push_back(page_table.data()[size_t(si) * P + j / page_size] * page_size + j % page_size);
+             Dev rows_d = h.empty(1, std::max<int64_t>(1, int64_t(rows.size())), DType::I32);
+             if (!rows.empty()) h.be().upload(rows_d.t.data, rows.data(), rows.size() * 4);
+             KvLayer cache{kcd.t.data, vcd.t.data, kvt, sum.t.data};
+             AttnBatch all;
+             all.num_tokens = int(rows.size());
+             all.kv_rows = rows_d.t.ptr<int32_t>();
+             all.page_size = page_size;
+             h.be().summarize_pages(cache, all, int(kv_cols));
+             const auto batch = h.batch(q_start, ctx_len, page_table, page_table, page_size, qd.t.rows);
+             Dev scores = h.empty(int64_t(S) * hkv, std::max(P, 1), DType::F32);
+             Dev pages = h.empty(int64_t(S) * hkv, std::max(P, 1), DType::I32);
+             Dev keys = h.empty(1, std::max<int64_t>(1, int64_t(S) * hkv), DType::I32);
+             AttnShape sh{hq, hkv, hd, scale};
+             SparseAttention rule{budget_pages, sink_pages, window_pages};
+             h.be().select_pages(qd.t, cache, batch.b, sh, rule, scores.t.ptr<float>(), pages.t.ptr<int32_t>(),
+                                 keys.t.ptr<int32_t>());
+             AttnBatch b = batch.b;
+             b.page_table = pages.t.ptr<int32_t>();
+             b.ctx_len = keys.t.ptr<int32_t>();
+             b.head_tables = true;
+             Dev o = h.empty(qd.t.rows, qd.t.cols, h.act());
+             h.be().attention(qd.t, cache, b, sh, o.t);
+             return std::make_tuple(h.down(o.t), h.down_ids(pages.t), h.down_ids(keys.t), h.down(sum.t));
+           }, "q"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "page_size"_a,
+           "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "budget_pages"_a, "sink_pages"_a, "window_pages"_a)
       .def("finish_qkv",
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In kv_rows, I32In positions, F32In cs, int hq, int hkv,
               int hd, std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {

@@ -124,11 +124,29 @@ uint64_t fork_count() {
   return forks.load();
 }
 
+// The sparse decode options in pages (rounded up), checked.
+SparseAttention sparse_rule(const EngineOptions& o) {
+  SparseAttention r;
+  QRT_CHECK_ARG(o.sparse_budget_tokens >= 0 && o.sparse_sink_tokens >= 0 && o.sparse_window_tokens >= 0,
+                "sparse attention: budget, sink and window tokens must be >= 0");
+  if (o.sparse_budget_tokens == 0) return r;
+  const int ps = o.page_size;
+  auto pages = [ps](int tokens) { return int((int64_t(tokens) + ps - 1) / ps); };
+  r.budget_pages = pages(o.sparse_budget_tokens);
+  r.sink_pages = pages(o.sparse_sink_tokens);
+  r.window_pages = std::max(1, pages(o.sparse_window_tokens));
+  QRT_CHECK_ARG(r.sink_pages + r.window_pages < r.budget_pages, "sparse attention: the budget (",
+                r.budget_pages, " pages of ", ps, " tokens) must exceed sink + window (", r.sink_pages, " + ",
+                r.window_pages, " pages), leaving pages to select");
+  return r;
+}
+
 }  // namespace
 
 struct Engine::Impl {
   ModelConfig cfg;
   EngineOptions opt;
+  SparseAttention sparse;  // opt's sparse decode in pages
   std::vector<Rank> ranks;
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
@@ -268,6 +286,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                 "page_size must be a power of two");
   QRT_CHECK_ARG(opt.state_snapshots >= 0, "state_snapshots must be >= 0");
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
+  sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
   if (default_len) opt.max_model_len = cfg.max_position_embeddings;
   QRT_CHECK_ARG(opt.max_model_len <= cfg.max_position_embeddings, "max_model_len ", opt.max_model_len,
@@ -328,6 +347,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   lim.max_pages_per_seq = (opt.max_model_len + opt.page_size - 1) / opt.page_size;
   lim.max_positions = opt.max_model_len;
   lim.graphs = opt.cuda_graphs;
+  lim.sparse = sparse;
   on_ranks([&](int r, Rank& rk) {
     WeightSpec ws{files.get(), opt.seed, wdt};
     rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
@@ -349,7 +369,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   }
   // KV pool: the same number of pages on every rank.
   const size_t bpp =
-      KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
+      KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt, lim.sparse.budget_pages > 0);
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -377,7 +397,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
     rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_attention_layers(), int(pages), opt.page_size, rk.model->kv_cols(),
-                                      kvdt);
+                                      kvdt, sparse.budget_pages > 0);
     rk.be->synchronize();
   }, kNoLimit);
   // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
@@ -412,12 +432,14 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   sh.max_seqs = opt.max_batch_size;
   sh.page_size = opt.page_size;
   sh.max_pages_per_seq = 0;  // the page table is counted per position below
+  sh.sparse = sparse.budget_pages > 0;
   const Footprint f = footprint(cfg, sh);
   const double sampling = cuda ? double(opt.max_batch_size) * cfg.vocab_size * 4 : 0;  // reserve_sampling
   // Every slot's state, the scratch slot's and the snapshots'.
   const double state = double(opt.max_batch_size + 1 + opt.state_snapshots) * f.state_slot;
   const double fixed = f.weights + f.workspace + sampling + state;
-  const double per_position = f.rope_position + double(opt.max_batch_size) * 4 / opt.page_size;
+  const double per_position =
+      f.rope_position + (double(opt.max_batch_size) * 4 + f.select_page) / opt.page_size;
   // Memory free now on the rank with the least; CPU ranks share one memory.
   double free_b = INFINITY;
   std::string where;
@@ -581,6 +603,16 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
       if (s.snapshot >= 0) rk.state->copy_slot(s.req->slot, rk.state->snapshot_slot(s.snapshot));
     if (r == 0) logits = l;
   });
+  if (sparse.budget_pages > 0) {
+    std::lock_guard<std::mutex> lk(mu);
+    for (const auto& s : p.seqs) {
+      const int ctx = s.first + s.count;
+      if (!sparse.selects(ctx, s.count, opt.page_size)) continue;
+      snapshot.sparse_rows++;
+      snapshot.sparse_pages_attended += sparse.budget_pages;
+      snapshot.sparse_pages_held += (ctx + opt.page_size - 1) / opt.page_size;
+    }
+  }
   // Sampling parameters of the sequences that reached their end.
   std::vector<SampleRow> rows;
   for (const auto& s : p.seqs) {

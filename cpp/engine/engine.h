@@ -32,6 +32,11 @@ struct EngineOptions {
   bool prefix_caching = true;      // requests reuse the cached K/V pages of a prefix they share (scheduler.h)
   int state_snapshots = 16;        // hybrid models: DeltaNet states kept at prompts' page boundaries for prefix hits
   bool check_weights = true;       // refuse checkpoint tensors holding NaN or inf (ValueError naming the tensor)
+  // Sparse decode (ops.h SparseAttention), in tokens, rounded up to pages: a decoding sequence longer than the
+  // budget attends per kv head to the sink, the recent window and the best-scoring pages within the budget.
+  int sparse_budget_tokens = 0;    // 0: off
+  int sparse_sink_tokens = 0;
+  int sparse_window_tokens = 0;    // at least one page (the current one)
 };
 
 struct EngineStats {
@@ -42,6 +47,9 @@ struct EngineStats {
   int max_model_len = 0, page_size = 0;
   size_t weight_bytes = 0, kv_bytes = 0;
   size_t state_bytes = 0;           // DeltaNet state of every slot (hybrid models), per rank
+  // Sparse decode: rows that selected their pages, and the pages those rows attended to of all they hold (per kv
+  // head and layer alike): attended / held is the fraction of the K/V they read.
+  int64_t sparse_rows = 0, sparse_pages_attended = 0, sparse_pages_held = 0;
 };
 
 class Engine {

@@ -133,7 +133,13 @@ Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
                 + T * rows * as + 2 * S * H * as                                                // activations
                 + S * n * vocab_pad * f32 + (nr > 1 ? n * S * vocab_pad * f32 : 0);            // logits
   f.rope_position = double(c.rot_dim()) * f32;
-  f.kv_page = c.num_attention_layers() * 2 * double(s.page_size) * kn * double(dtype_size(s.kv));
+  // K and V rows of a page, and its two summary rows (KvCache::bytes_per_page).
+  f.kv_page = c.num_attention_layers() * 2 * double(s.page_size + (s.sparse ? 1 : 0)) * kn * double(dtype_size(s.kv));
+  if (s.sparse && c.num_attention_layers()) {  // scores and page lists [S, kv heads, columns], keys [S, kv heads]
+    const double lists = S * double(sh.kv_heads);
+    f.select_page = lists * 8;
+    f.workspace += f.select_page * double(s.max_pages_per_seq) + lists * 4;
+  }
   if (c.num_delta_net_layers())
     f.state_slot = double(StateCache::bytes_per_slot(c.num_delta_net_layers(), d, s.act));
   return f;

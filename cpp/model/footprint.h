@@ -30,6 +30,7 @@ struct Footprint {
   double rope_position = 0;  // the RoPE table, per position
   double kv_page = 0;        // one page of every attention layer's K and V
   double state_slot = 0;     // one slot's DeltaNet state (hybrid models)
+  double select_page = 0;    // sparse decode: select_pages' scratch per page-table column (in workspace too)
 };
 
 struct FootprintShape {
@@ -38,6 +39,7 @@ struct FootprintShape {
   bool folds_gains = false;  // the backend folds 16-bit norm gains into the matrices (Backend::folds_norm_gains)
   int max_tokens = 0, max_seqs = 0, max_pages_per_seq = 0;
   int page_size = 16;
+  bool sparse = false;       // sparse decode: page summaries in the KV cache, select_pages' scratch
 };
 
 Footprint footprint(const ModelConfig& c, const FootprintShape& s);

@@ -103,8 +103,27 @@ void AttentionLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfi
   Tensor proj = s.ws.qkv, out = s.ws.attn;
   s.be.norm_linear(s.residual, norm, qkv, c.attn_bias ? &bias : nullptr, s.ws.h, proj);
   Tensor q_k_v = c.attn_output_gate ? proj.col_slice(0, qn + 2 * kn) : proj;
-  s.be.qkv_attention(q_k_v, shape, c.qk_norm ? &q_norm : nullptr, c.qk_norm ? &k_norm : nullptr, c.rms_eps,
-                     c.zero_centred_norms, s.positions, s.rope, s.batch, cache, out);
+  const Tensor* qn_w = c.qk_norm ? &q_norm : nullptr;
+  const Tensor* kn_w = c.qk_norm ? &k_norm : nullptr;
+  if (!s.sparse) {
+    s.be.qkv_attention(q_k_v, shape, qn_w, kn_w, c.rms_eps, c.zero_centred_norms, s.positions, s.rope, s.batch, cache,
+                       out);
+  } else {  // the pages' summaries are kept every step; the step's decode rows select their pages where they may
+    s.be.finish_qkv(q_k_v, shape, qn_w, kn_w, c.rms_eps, c.zero_centred_norms, s.positions, s.rope, s.batch, cache);
+    s.be.summarize_pages(cache, s.batch, int(kn));
+    const Tensor q = q_k_v.col_slice(0, qn);
+    if (s.sparse->select) {
+      const SparseStep& sp = *s.sparse;
+      s.be.select_pages(q, cache, s.batch, shape, sp.rule, sp.scores, sp.pages, sp.keys);
+      AttnBatch b = s.batch;
+      b.page_table = sp.pages;
+      b.ctx_len = sp.keys;
+      b.head_tables = true;
+      s.be.attention(q, cache, b, shape, out);
+    } else {
+      s.be.attention(q, cache, s.batch, shape, out);
+    }
+  }
   if (c.attn_output_gate) s.be.sigmoid_mul(out, proj.col_slice(qn + 2 * kn, qn));
   add_to_residual(s, out, o);
 }

@@ -30,6 +30,17 @@ struct Workspace {
   Tensor gate_up, act;      // MLP
 };
 
+// Sparse decode in a step (ops.h SparseAttention): the rule, whether a sequence of the step may select (it has more
+// pages than the budget; else every list is the sequence's own and selection is skipped), and select_pages' scratch
+// and output (backend memory, reused by every attention layer).
+struct SparseStep {
+  SparseAttention rule;
+  bool select = false;
+  float* scores = nullptr;
+  int32_t* pages = nullptr;
+  int32_t* keys = nullptr;
+};
+
 // A step as a layer sees it (backend memory): the batch, positions, the residual stream [T, hidden] it adds to.
 struct LayerStep {
   Backend& be;
@@ -40,6 +51,7 @@ struct LayerStep {
   int rows;                 // T
   Tensor residual;          // [T, hidden]
   Workspace ws;             // row slices [0, T)
+  const SparseStep* sparse = nullptr;  // null: every sequence attends to all of its pages
 };
 
 // residual += x @ w^T for a row-parallel w: rank 0 adds its share, the others put theirs in place, then the ranks

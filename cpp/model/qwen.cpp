@@ -77,6 +77,12 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
   }
   ws_full_.gate_up = alloc_tensor(act, T, 2 * int64_t(shard_.inter));
   ws_full_.act = alloc_tensor(act, T, shard_.inter);
+  if (lim_.sparse.budget_pages > 0 && attention) {
+    const int64_t lists = int64_t(S) * shard_.kv_heads;
+    sparse_scores_ = alloc_tensor(DType::F32, lists, lim_.max_pages_per_seq);
+    sparse_pages_ = alloc_tensor(DType::I32, lists, lim_.max_pages_per_seq);
+    sparse_keys_ = alloc_tensor(DType::I32, 1, lists);
+  }
   sel_res_ = alloc_tensor(act, S, H);
   sel_h_ = alloc_tensor(act, S, H);
   // Logits: this rank's shard [S, vocab_pad_]; with several ranks, gathered then laid out as [S, n * vocab_pad_].
@@ -284,6 +290,15 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
   LayerStep step{be_, comm_, b, d_positions_, rope_, T, res,
                  Workspace{rows(w.h), rows(w.qkv), rows(w.attn), rows(w.proj), rows(w.conv), rows(w.core),
                            rows(w.gate_up), rows(w.act)}};
+  SparseStep sparse;
+  if (!sparse_pages_.empty()) {
+    sparse.rule = lim_.sparse;
+    sparse.select = b.max_pages > lim_.sparse.budget_pages;  // a graph's pages bound every context it replays
+    sparse.scores = sparse_scores_.ptr<float>();
+    sparse.pages = sparse_pages_.ptr<int32_t>();
+    sparse.keys = sparse_keys_.ptr<int32_t>();
+    step.sparse = &sparse;
+  }
   be_.embedding(d_tokens_, embed_, res);
   if (n > 1) comm_.all_reduce_sum(res);
   for (const DecoderLayer& L : layers_) {

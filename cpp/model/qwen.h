@@ -23,6 +23,7 @@ struct Limits {
   int max_pages_per_seq = 0;
   int max_positions = 0;    // positions a request reaches (max_model_len; 0: max_position_embeddings): the RoPE table
   bool graphs = false;      // replay decode steps from captured graphs (when the backend has them)
+  SparseAttention sparse;   // sparse decode (off: budget_pages 0); the KV cache then keeps page summaries
 };
 
 class QwenModel {
@@ -72,6 +73,7 @@ class QwenModel {
   // Workspace.
   Tensor meta_;  // int32 metadata uploaded each step
   Tensor residual_, sel_res_, sel_h_, logits_;
+  Tensor sparse_scores_, sparse_pages_, sparse_keys_;  // select_pages' scratch and output (sparse decode)
   Workspace ws_full_;  // [max_tokens, ...] each
   Tensor logits_gathered_;  // [ranks * max_seqs, vocab_pad_]: every rank's shard, rank-major
   Tensor logits_view(int rows) const;

@@ -4,8 +4,8 @@ from ._native_libraries import nvidia_library_dirs
 
 _core.set_cuda_library_dirs(nvidia_library_dirs())  # before anything loads the CUDA plugin
 
-from .generator import Generator, GeneratorClosed, Request  # noqa: E402
+from .generator import Generator, GeneratorClosed, Request, SparseAttention  # noqa: E402
 from .sampling import Completion, Delta, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Generator", "GeneratorClosed", "Request", "SamplingParams", "Completion", "Delta", "__version__"]
+__all__ = ["Generator", "GeneratorClosed", "Request", "SparseAttention", "SamplingParams", "Completion", "Delta", "__version__"]

@@ -19,7 +19,28 @@ from .model_files import resolve, same_tensor, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
-__all__ = ["Generator", "GeneratorClosed", "Request"]
+__all__ = ["Generator", "GeneratorClosed", "Request", "SparseAttention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttention:
+    """Sparse decode for long contexts (runtime-scored page selection, as Quest): a request that decodes with more
+    than budget_tokens of context attends, per attention layer and KV head, to its first sink_tokens, its last
+    window_tokens and the pages (page_size tokens) whose keys' per-channel min/max bound q . k highest, budget_tokens
+    in all. Each is rounded up to whole pages. Shorter contexts attend to every token (the same result as without)."""
+    budget_tokens: int = 4096
+    sink_tokens: int = 64
+    window_tokens: int = 512
+
+    def __post_init__(self):
+        for name in ("budget_tokens", "sink_tokens", "window_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"SparseAttention.{name} must be an int, got {type(v).__name__}")
+            if not 0 <= v <= INT32_MAX:
+                raise ValueError(f"SparseAttention.{name} must be in [0, {INT32_MAX}], got {v}")
+        if self.budget_tokens < 1:
+            raise ValueError("SparseAttention.budget_tokens must be >= 1")
 
 
 class GeneratorClosed(RuntimeError):
@@ -309,7 +330,8 @@ class Generator:
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
-                 check_weights: bool = True, quantization: str | None = None):
+                 check_weights: bool = True, quantization: str | None = None,
+                 sparse_attention: SparseAttention | None = None):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -346,6 +368,9 @@ class Generator:
                         ("progress", progress), ("check_weights", check_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        if sparse_attention is not None and not isinstance(sparse_attention, SparseAttention):
+            raise TypeError("sparse_attention must be a qwen_rt.SparseAttention or None, got "
+                            f"{type(sparse_attention).__name__}")
         if quantization is not None and not isinstance(quantization, str):
             raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
         if load_format not in ("auto", "dummy"):
@@ -405,6 +430,10 @@ class Generator:
         opts.prefix_caching = enable_prefix_caching
         opts.state_snapshots = state_snapshots
         opts.check_weights = check_weights
+        if sparse_attention is not None:
+            opts.sparse_budget_tokens = sparse_attention.budget_tokens
+            opts.sparse_sink_tokens = sparse_attention.sink_tokens
+            opts.sparse_window_tokens = sparse_attention.window_tokens
         tensors = [] if opts.dummy_weights else [
             _core.TensorSource(t.name, str(t.path), t.offset, t.nbytes, t.dtype, list(t.shape))
             for t in files.tensors.values()]

@@ -211,7 +211,7 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
     for (int r = b.q_start[si]; r < b.q_start[si + 1]; ++r) row_seq[r] = si;
   // A task is a query row and a run of KV heads: whole rows when there are enough of them (each
   // cache row is then taken by one task), single KV heads otherwise.
-  const int heads_per_task = b.num_tokens >= 2 * pool.size() ? Hkv : 1;
+  const int heads_per_task = b.num_tokens >= 2 * pool.size() && !b.head_tables ? Hkv : 1;
   const int tasks_per_row = Hkv / heads_per_task;
   const int64_t tasks = int64_t(b.num_tokens) * tasks_per_row;
   const bool par = tasks > 1 && int64_t(b.max_ctx_len) * b.num_tokens * s.q_heads > 4096;
@@ -226,8 +226,10 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
       const int r = int(t / tasks_per_row), kh0 = int(t % tasks_per_row) * heads_per_task;
       const int si = row_seq[r];
       const int q_len = b.q_start[si + 1] - b.q_start[si];
-      const int n = b.ctx_len[si] - q_len + (r - b.q_start[si]) + 1;  // positions [0, pos]
-      const int32_t* pages = b.page_table + int64_t(si) * b.max_pages;
+      // The (sequence, kv head) list of the task's heads: one per head (a task of one head) or the sequence's.
+      const int64_t list = b.head_tables ? int64_t(si) * Hkv + kh0 : si;
+      const int n = b.ctx_len[list] - q_len + (r - b.q_start[si]) + 1;  // positions [0, pos]
+      const int32_t* pages = b.page_table + list * b.max_pages;
       const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh0) * group * D;
       auto cache_row = [&](int p) { return int64_t(pages[p / b.page_size]) * b.page_size + p % b.page_size; };
       if (vector_path) {

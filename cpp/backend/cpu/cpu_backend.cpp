@@ -231,6 +231,14 @@ class CpuBackend final : public Backend {
                  Tensor& out) override {
     cpu::attention(q, cache, b, s, out, pool_);
   }
+  void summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols) override {
+    cpu::summarize_pages(cache, b, kv_cols, pool_);
+  }
+  void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
+                    const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys) override {
+    check_f32(q, "select_pages");
+    cpu::select_pages(q, cache, b, s, sp, scores, pages, keys, pool_);
+  }
   void sigmoid_mul(Tensor& x, const Tensor& gate) override {
     check_f32(x, "sigmoid_mul");
     pool_.for_static(x.rows, x.rows > 8, [&](int64_t r) {

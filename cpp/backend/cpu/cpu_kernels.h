@@ -112,6 +112,11 @@ void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, ThreadPool& pool)
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                Tensor& out, ThreadPool& pool);
 
+// Backend::summarize_pages and select_pages (sparse.cpp).
+void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, ThreadPool& pool);
+void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                  const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys, ThreadPool& pool);
+
 void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
                    Tensor& out, ThreadPool& pool);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log, const Tensor& dt_bias,

@@ -105,10 +105,16 @@ struct AttnArgs {
   const int32_t* ctx_len;
   const int32_t* page_table;
   int max_pages, page_size, kv_heads, group;
+  bool head_tables;  // a page list (and key count) per (sequence, kv head): ops.h AttnBatch::head_tables
   float scale_log2;
   void* out;
   int64_t out_stride;
 };
+
+// The page list (row of page_table and ctx_len) of sequence s's kv head kvh.
+__device__ __forceinline__ int64_t list_of(const AttnArgs& a, int s, int kvh) {
+  return a.head_tables ? int64_t(s) * a.kv_heads + kvh : s;
+}
 
 // One sequence's kv head in the paged cache: key j's K row is k + row(j) * cols (V likewise).
 template <typename T> struct KvHead {
@@ -124,7 +130,7 @@ template <typename T> struct KvHead {
 template <typename T, int D>
 __device__ __forceinline__ KvHead<T> kv_head(const AttnArgs& a, int seq, int kvh) {
   return {static_cast<const T*>(a.kc) + int64_t(kvh) * D, static_cast<const T*>(a.vc) + int64_t(kvh) * D,
-          int64_t(a.kv_heads) * D, a.page_table + int64_t(seq) * a.max_pages, a.page_size};
+          int64_t(a.kv_heads) * D, a.page_table + list_of(a, seq, kvh) * a.max_pages, a.page_size};
 }
 
 struct RowsArgs : AttnArgs {
@@ -134,21 +140,21 @@ struct RowsArgs : AttnArgs {
   int nsplit, num_tokens;
 };
 
-// Query row `row`'s sequence s and key count n_keys; returns the keys per split (chunk): the row's keys cut
-// into nsplit chunks, each rounded up to a multiple of `granule` (trailing splits may have none).
-__device__ __forceinline__ int split_chunk(const RowsArgs& a, int row, int granule, int& s, int& n_keys) {
+// Query row `row`'s sequence s and key count n_keys for kv head kvh; returns the keys per split (chunk): the row's
+// keys cut into nsplit chunks, each rounded up to a multiple of `granule` (trailing splits may have none).
+__device__ __forceinline__ int split_chunk(const RowsArgs& a, int row, int kvh, int granule, int& s, int& n_keys) {
   s = a.row_is_seq ? row : find_seq(a.q_start, a.num_seqs, row);
-  n_keys = a.ctx_len[s] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
+  n_keys = a.ctx_len[list_of(a, s, kvh)] - (a.q_start[s + 1] - a.q_start[s]) + (row - a.q_start[s]) + 1;
   const int chunk = (max(n_keys, 1) + a.nsplit - 1) / a.nsplit;
   return (chunk + granule - 1) / granule * granule;
 }
 
 // Split `split` of query row `row`: its sequence s and the keys [k_begin, k_end) it attends to. Returns the
 // row's key count.
-__device__ __forceinline__ int split_keys(const RowsArgs& a, int row, int split, int granule, int& s, int& k_begin,
-                                          int& k_end) {
+__device__ __forceinline__ int split_keys(const RowsArgs& a, int row, int kvh, int split, int granule, int& s,
+                                          int& k_begin, int& k_end) {
   int n_keys;
-  const int chunk = split_chunk(a, row, granule, s, n_keys);
+  const int chunk = split_chunk(a, row, kvh, granule, s, n_keys);
   k_begin = split * chunk;
   k_end = min(n_keys, k_begin + chunk);
   return n_keys;
@@ -195,7 +201,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
   const int ng = min(GM, a.group - g0);
   const int row = blockIdx.z;
   int s, k_begin, k_end;
-  split_keys(a, row, split, TILE, s, k_begin, k_end);
+  split_keys(a, row, kvh, split, TILE, s, k_begin, k_end);
   const int h0 = kvh * a.group + g0;
 
   if (k_begin >= k_end) {  // a split without keys, or (nsplit 1) a row without keys
@@ -377,7 +383,7 @@ __global__ void attn_combine_kernel(const RowsArgs a, int D, int granule) {
   grid_release();
   const int row = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
   int s, n_keys;
-  const int chunk = split_chunk(a, row, granule, s, n_keys);  // metadata: read before grid_wait
+  const int chunk = split_chunk(a, row, h / a.group, granule, s, n_keys);  // metadata: read before grid_wait
   const int splits = min(a.nsplit, (n_keys + chunk - 1) / chunk);
   __shared__ float m_s[kMaxSplits], w_s[kMaxSplits];
   grid_wait();
@@ -444,7 +450,7 @@ __device__ __forceinline__ bool q_tile(const TileArgs& a, QTile& t) {
   t.G = a.group;
   t.nt = min(a.tokens_per_tile, q_len - t.t0);
   t.rows_valid = t.nt * t.G;
-  t.base_pos = a.ctx_len[t.s] - q_len + t.t0;
+  t.base_pos = a.ctx_len[list_of(a, t.s, t.kvh)] - q_len + t.t0;
   t.max_pos = t.base_pos + t.nt - 1;
   t.n_keys = t.max_pos + 1;
   return true;
@@ -874,7 +880,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
   int row, kvh, k_begin = 0, k_end = 0, s = 0, n_keys = 0;
   pair_of(warp / WPR, row, kvh);
   const bool has_row = row < a.num_tokens;
-  if (has_row) n_keys = split_keys(a, row, split, kDecGranule, s, k_begin, k_end);
+  if (has_row) n_keys = split_keys(a, row, kvh, split, kDecGranule, s, k_begin, k_end);
   const int h0 = kvh * G;
   // FUSED: whether this block holds the row's new key (the last one); the cache keys stop before it.
   const bool owner = FUSED && k_begin < k_end && k_end == n_keys;
@@ -1186,6 +1192,7 @@ void attn_args(AttnArgs& a, const Tensor& q, const KvLayer& cache, const AttnBat
   a.q_start = b.q_start;
   a.ctx_len = b.ctx_len;
   a.page_table = b.page_table;
+  a.head_tables = b.head_tables;
   a.max_pages = b.max_pages;
   a.page_size = b.page_size;
   a.kv_heads = sh.kv_heads;

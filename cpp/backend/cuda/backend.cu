@@ -450,6 +450,15 @@ void CudaBackend::gated_delta_rule(const Tensor& qkv, const Tensor& a, const Ten
   set_device();
   launch_gated_delta_rule(qkv, a, bt, a_log, dt_bias, b, s, st, out, stream_);
 }
+void CudaBackend::summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols) {
+  set_device();
+  launch_summarize_pages(cache, b, kv_cols, stream_);
+}
+void CudaBackend::select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                               const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys) {
+  set_device();
+  launch_select_pages(q, cache, b, sh, sp, scores, pages, keys, stream_);
+}
 void CudaBackend::gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim) {
   set_device();
   launch_gated_rms_norm(x, z, w, eps, head_dim, stream_);

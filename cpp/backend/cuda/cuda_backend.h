@@ -66,6 +66,9 @@ class CudaBackend final : public Backend {
                      KvLayer& cache, Tensor& out) override;
   void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
                  Tensor& out) override;
+  void summarize_pages(const KvLayer& cache, const AttnBatch& batch, int kv_cols) override;
+  void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& batch, const AttnShape& shape,
+                    const SparseAttention& sparse, float* scores, int32_t* pages, int32_t* keys) override;
   void sigmoid_mul(Tensor& x, const Tensor& gate) override;
   void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& batch, const DeltaNetShape& s,
                      StateLayer& state, Tensor& out) override;

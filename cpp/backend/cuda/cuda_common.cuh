@@ -244,6 +244,11 @@ void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b
                              const Tensor& dt_bias, const AttnBatch& batch, const DeltaNetShape& sh, StateLayer& st,
                              Tensor& out, cudaStream_t s);
 
+// Sparse decode (sparse.cu): Backend::summarize_pages and select_pages.
+void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols, cudaStream_t s);
+void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                         const SparseAttention& rule, float* scores, int32_t* pages, int32_t* keys, cudaStream_t s);
+
 // Attention (attention.cu). Workspace comes from the caller (grown as needed by attn_workspace_bytes).
 struct AttnWorkspace {
   float* partial = nullptr;  // split partial outputs

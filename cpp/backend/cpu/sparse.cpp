@@ -1,0 +1,83 @@
+// Sparse decode on the CPU (ops.h SparseAttention): page summaries, page scores and the per-head page lists.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "backend/cpu/cpu_kernels.h"
+
+namespace qrt::cpu {
+
+void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, ThreadPool& pool) {
+  const Tensor kc(cache.k, cache.dtype, 0, kv_cols);
+  Tensor sum(cache.summary, cache.dtype, 0, kv_cols);
+  const int ps = b.page_size, T = b.num_tokens;
+  pool.for_static(T, T > 16, [&](int64_t t) {
+    const int row = b.kv_rows[t];
+    if (row < 0) return;
+    const int page = row / ps;
+    // The step's last row in this page does it (the rows of a page belong to one sequence, in order).
+    if (t + 1 < T && b.kv_rows[t + 1] >= 0 && b.kv_rows[t + 1] / ps == page) return;
+    const size_t cols = size_t(kv_cols);
+    std::vector<float> k_row(cols), mins(cols, INFINITY), maxs(cols, -INFINITY);
+    for (int r = page * ps; r <= row; ++r) {
+      load_row_f32(kc, r, k_row.data());
+      for (size_t c = 0; c < cols; ++c) {
+        mins[c] = std::min(mins[c], k_row[c]);
+        maxs[c] = std::max(maxs[c], k_row[c]);
+      }
+    }
+    store_row_f32(mins.data(), sum, 2 * int64_t(page));  // exact: the keys are values of the summary's dtype
+    store_row_f32(maxs.data(), sum, 2 * int64_t(page) + 1);
+  });
+}
+
+void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                  const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys, ThreadPool& pool) {
+  const int ps = b.page_size, Hkv = sh.kv_heads, G = sh.q_heads / sh.kv_heads, D = sh.head_dim, P = b.max_pages;
+  const int64_t kv_cols = int64_t(Hkv) * D;
+  const Tensor sum(cache.summary, cache.dtype, 0, kv_cols);
+  pool.for_static(int64_t(b.num_seqs) * Hkv, b.num_seqs * Hkv > 1, [&](int64_t task) {
+    const int s = int(task / Hkv), h = int(task % Hkv);
+    const int ctx = b.ctx_len[s], q_len = b.q_start[s + 1] - b.q_start[s], n = (ctx + ps - 1) / ps;
+    const int32_t* src = b.page_table + int64_t(s) * P;
+    int32_t* dst = pages + task * P;
+    if (!sp.selects(ctx, q_len, ps)) {
+      std::copy(src, src + P, dst);
+      keys[task] = ctx;
+      return;
+    }
+    // Candidates: the pages between the sink and the window.
+    const int first = sp.sink_pages, end = n - sp.window_pages, k = sp.budget_pages - sp.sink_pages - sp.window_pages;
+    float* sc = scores + task * P;
+    const float* qh = q.ptr<float>() + int64_t(b.q_start[s]) * q.stride + int64_t(h) * G * D;
+    std::vector<float> mins(static_cast<size_t>(D)), maxs(static_cast<size_t>(D));
+    for (int c = first; c < end; ++c) {
+      const int64_t pg = src[c];
+      for (int d = 0; d < D; ++d) {
+        mins[size_t(d)] = load_f32(sum, 2 * pg, int64_t(h) * D + d);
+        maxs[size_t(d)] = load_f32(sum, 2 * pg + 1, int64_t(h) * D + d);
+      }
+      float best = -INFINITY;
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int d = 0; d < D; ++d)
+          acc += std::max(qh[g * D + d] * mins[size_t(d)], qh[g * D + d] * maxs[size_t(d)]);
+        best = std::max(best, acc);  // a NaN score counts as -inf
+      }
+      sc[c] = best;
+    }
+    std::vector<int> order(size_t(end - first));
+    std::iota(order.begin(), order.end(), first);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int x, int y) { return sc[x] > sc[y] || (sc[x] == sc[y] && x < y); });
+    std::sort(order.begin(), order.begin() + k);
+    int m = 0;
+    for (int c = 0; c < first; ++c) dst[m++] = src[c];
+    for (int i = 0; i < k; ++i) dst[m++] = src[order[size_t(i)]];
+    for (int c = end; c < n; ++c) dst[m++] = src[c];
+    keys[task] = (m - 1) * ps + (ctx - (n - 1) * ps);
+  });
+}
+
+}  // namespace qrt::cpu

@@ -1,0 +1,252 @@
+// Sparse decode on CUDA (ops.h SparseAttention): page summaries, page scores and the per-head page lists.
+// The lists are cpu/sparse.cpp's: the same candidates, the same order of scores (ties: the earlier page), so the
+// two backends select the same pages wherever their fp32 scores order the same.
+#include <algorithm>
+
+#include "backend/cuda/cuda_common.cuh"
+
+namespace qrt::cuda {
+namespace {
+
+constexpr int kSummaryThreads = 128;
+constexpr int kScoreWarps = 4, kScorePagesPerWarp = 8;
+constexpr int kSelectThreads = 1024;
+
+// Block t: the step's row t, when it is the step's last in its page, recomputes that page's per-column min and max
+// over the page's rows up to it (the rows of a page belong to one sequence, in order).
+template <typename T>
+__global__ void __launch_bounds__(kSummaryThreads) summarize_kernel(const T* k, T* sum, const int32_t* kv_rows,
+                                                                    int num_tokens, int page_size, int64_t cols) {
+  grid_release();
+  grid_wait();
+  const int t = blockIdx.x, row = kv_rows[t];
+  if (row < 0) return;
+  const int page = row / page_size;
+  if (t + 1 < num_tokens && kv_rows[t + 1] >= 0 && kv_rows[t + 1] / page_size == page) return;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int r = page * page_size; r <= row; ++r) {
+      const float x = to_f(k[int64_t(r) * cols + c]);
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
+    }
+    sum[int64_t(2 * page) * cols + c] = from_f<T>(lo);  // exact: the keys are values of T
+    sum[int64_t(2 * page + 1) * cols + c] = from_f<T>(hi);
+  }
+}
+
+struct SelectArgs {
+  const void* q;
+  int64_t q_stride;
+  const void* sum;
+  const int32_t* q_start;
+  const int32_t* ctx_len;
+  const int32_t* page_table;
+  int max_pages, page_size, kv_heads, group, head_dim;
+  SparseAttention rule;
+  float* scores;
+  int32_t* pages;
+  int32_t* keys;
+};
+
+// Sequence s's candidates for selection, [first, end), and the pages it selects among them; false when it
+// attends to all of its pages.
+__device__ __forceinline__ bool candidates(const SelectArgs& a, int s, int& n, int& first, int& end, int& k) {
+  const int ctx = a.ctx_len[s], q_len = a.q_start[s + 1] - a.q_start[s];
+  n = (ctx + a.page_size - 1) / a.page_size;
+  first = a.rule.sink_pages;
+  end = n - a.rule.window_pages;
+  k = a.rule.budget_pages - a.rule.sink_pages - a.rule.window_pages;
+  return a.rule.budget_pages > 0 && q_len == 1 && n > a.rule.budget_pages;  // SparseAttention::selects
+}
+
+// Grid (page blocks, kv heads, sequences): each warp scores kScorePagesPerWarp candidate pages of (s, h); a lane
+// holds D / 32 dims of each of the G query heads (fp32, in shared memory).
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(const SelectArgs a) {
+  grid_release();
+  grid_wait();
+  extern __shared__ float q_s[];  // [G][D]
+  const int s = blockIdx.z, h = blockIdx.y, G = a.group;
+  int n, first, end, k;
+  if (!candidates(a, s, n, first, end, k)) return;
+  const int p0 = first + blockIdx.x * kScoreWarps * kScorePagesPerWarp;
+  if (p0 >= end) return;
+  const T* q = static_cast<const T*>(a.q) + int64_t(a.q_start[s]) * a.q_stride + int64_t(h) * G * D;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t cols = int64_t(a.kv_heads) * D;
+  const T* sum = static_cast<const T*>(a.sum) + int64_t(h) * D;
+  const int32_t* table = a.page_table + int64_t(s) * a.max_pages;
+  float* out = a.scores + (int64_t(s) * a.kv_heads + h) * a.max_pages;
+  for (int i = 0; i < kScorePagesPerWarp; ++i) {
+    const int c = p0 + warp * kScorePagesPerWarp + i;
+    if (c >= end) break;  // warp-uniform
+    const int64_t pg = table[c];
+    float lo[D / 32], hi[D / 32];
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      lo[j] = to_f(sum[2 * pg * cols + lane + 32 * j]);
+      hi[j] = to_f(sum[(2 * pg + 1) * cols + lane + 32 * j]);
+    }
+    float best = -INFINITY;
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        const float x = q_s[g * D + lane + 32 * j];
+        acc += fmaxf(x * lo[j], x * hi[j]);
+      }
+      best = fmaxf(best, warp_sum(acc));  // a NaN score counts as -inf
+    }
+    if (lane == 0) out[c] = best;
+  }
+}
+
+// A score as an unsigned key of the same order (NaN below everything).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (f != f) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix count of flag over the block's threads in order; total: the block's count. Every thread calls it.
+__device__ __forceinline__ int block_prefix(bool flag, int* warp_counts, int& total) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const uint32_t ballot = __ballot_sync(0xffffffffu, flag);
+  __syncthreads();  // warp_counts free (an earlier call's readers are done)
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0;
+  total = 0;
+  for (int w = 0; w < warps; ++w) {
+    before += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+// Block (kv head, sequence): the list of (s, h). A selecting sequence's k best candidates are found by a radix
+// select of their keys (8 bits a pass, from the top), then written in page order between the sink and the window.
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs a) {
+  grid_release();
+  grid_wait();
+  __shared__ int hist[256];
+  __shared__ int warp_counts[kSelectThreads / 32];
+  __shared__ uint32_t sel_prefix;
+  __shared__ int sel_left;
+  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int64_t list = int64_t(s) * a.kv_heads + h;
+  const int32_t* src = a.page_table + int64_t(s) * a.max_pages;
+  int32_t* dst = a.pages + list * a.max_pages;
+  int n, first, end, k;
+  if (!candidates(a, s, n, first, end, k)) {
+    for (int c = tid; c < a.max_pages; c += blockDim.x) dst[c] = src[c];
+    if (tid == 0) a.keys[list] = a.ctx_len[s];
+    return;
+  }
+  const float* sc = a.scores + list * a.max_pages;
+  uint32_t prefix = 0, mask = 0;
+  int left = k;  // of the keys matching prefix under mask, how many are taken (the largest)
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int c = first + tid; c < end; c += blockDim.x) {
+      const uint32_t key = order_key(sc[c]);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {  // the bin where the count from the top reaches `left`: lane l holds bins 8 l .. 8 l + 7
+      int cnt[8], mine = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mine += (cnt[j] = hist[tid * 8 + j]);
+      int incl = mine;  // bins from this lane's up
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_down_sync(0xffffffffu, incl, o);
+        if (tid + o < 32) incl += v;
+      }
+      int cum = incl - mine;  // bins above this lane's
+      if (cum < left && left <= incl) {
+        for (int j = 7; j >= 0; --j) {
+          if (cum + cnt[j] >= left) {
+            sel_prefix = prefix | (uint32_t(tid * 8 + j) << shift);
+            sel_left = left - cum;
+            break;
+          }
+          cum += cnt[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = sel_prefix;
+    left = sel_left;
+    mask |= 255u << shift;
+  }
+  // prefix: the k-th largest key; every larger key is taken, and the first `left` equal to it in page order.
+  const int sink = first;
+  for (int c = tid; c < sink; c += blockDim.x) dst[c] = src[c];
+  int taken = 0, equal_seen = 0;
+  for (int c0 = first; c0 < end; c0 += blockDim.x) {
+    const int c = c0 + tid;
+    const uint32_t key = c < end ? order_key(sc[c]) : 0u;
+    const bool equal = c < end && key == prefix;
+    int equal_total, taken_total;
+    const int equal_before = equal_seen + block_prefix(equal, warp_counts, equal_total);
+    const bool take = c < end && (key > prefix || (equal && equal_before < left));
+    const int at = taken + block_prefix(take, warp_counts, taken_total);
+    if (take) dst[sink + at] = src[c];
+    equal_seen += equal_total;
+    taken += taken_total;
+  }
+  for (int j = tid; j < n - end; j += blockDim.x) dst[sink + k + j] = src[end + j];
+  if (tid == 0) a.keys[list] = (a.rule.budget_pages - 1) * a.page_size + (a.ctx_len[s] - (n - 1) * a.page_size);
+}
+
+}  // namespace
+
+void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols, cudaStream_t st) {
+  QRT_CHECK(cache.summary, "cuda summarize_pages: the cache has no page summaries");
+  if (b.num_tokens == 0) return;
+  dispatch_act(cache.dtype, "summarize_pages", [&](auto tag) {
+    using T = decltype(tag);
+    launch_chained(summarize_kernel<T>, unsigned(b.num_tokens), kSummaryThreads, 0, st,
+                   static_cast<const T*>(cache.k), static_cast<T*>(cache.summary), b.kv_rows, b.num_tokens,
+                   b.page_size, int64_t(kv_cols));
+  });
+  check_launch("summarize_pages");
+}
+
+void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
+                         const SparseAttention& rule, float* scores, int32_t* pages, int32_t* keys, cudaStream_t st) {
+  QRT_CHECK(cache.summary, "cuda select_pages: the cache has no page summaries");
+  QRT_CHECK(q.dtype == cache.dtype, "cuda select_pages: q ", dtype_name(q.dtype), " and the cache ",
+            dtype_name(cache.dtype), " differ");
+  QRT_CHECK(sh.head_dim == 64 || sh.head_dim == 128 || sh.head_dim == 256, "cuda select_pages: head_dim ",
+            sh.head_dim, " (64, 128, 256)");
+  if (b.num_seqs == 0) return;
+  SelectArgs a{q.data, q.stride, cache.summary, b.q_start, b.ctx_len, b.page_table, b.max_pages, b.page_size,
+               sh.kv_heads, sh.q_heads / sh.kv_heads, sh.head_dim, rule, scores, pages, keys};
+  const size_t smem = size_t(a.group) * sh.head_dim * 4;
+  const dim3 grid(ceil_div(std::max(b.max_pages, 1), kScoreWarps * kScorePagesPerWarp), unsigned(sh.kv_heads),
+                  unsigned(b.num_seqs));
+  dispatch_act(q.dtype, "select_pages", [&](auto tag) {
+    using T = decltype(tag);
+    auto run = [&](auto kernel) {
+      if (smem > 48 * 1024)
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "select_pages (smem attribute)");
+      launch_chained(kernel, grid, kScoreWarps * 32, smem, st, a);
+    };
+    switch (sh.head_dim) {
+      case 64: run(score_kernel<T, 64>); break;
+      case 128: run(score_kernel<T, 128>); break;
+      default: run(score_kernel<T, 256>); break;
+    }
+  });
+  check_launch("select_pages (scores)");
+  launch_chained(select_kernel, dim3(unsigned(sh.kv_heads), unsigned(b.num_seqs)), kSelectThreads, 0, st, a);
+  check_launch("select_pages (lists)");
+}
+
+}  // namespace qrt::cuda
