@@ -548,10 +548,21 @@ def model_info(folder) -> dict:
     )
 
 
+def attention_layers(folder) -> int:
+    """Layers with K/V: all, or a hybrid's full-attention layers (layer_types, else every 4th)."""
+    cfg = model_info(folder)["config"]
+    n = cfg["num_hidden_layers"]
+    if cfg.get("model_type", "").startswith("qwen3_5"):
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+                                           else "linear_attention" for i in range(n)]
+        return sum(t == "full_attention" for t in types)
+    return n
+
+
 def kv_bytes(folder, pages: int, page_size: int = 16, dtype_bytes: int = 4) -> int:
-    """Bytes of a KV pool of `pages` pages: K and V for every layer, fp32."""
+    """Bytes of a KV pool of `pages` pages: K and V for every attention layer, fp32."""
     i = model_info(folder)
-    return pages * page_size * i["layers"] * 2 * i["kv_heads"] * i["head_dim"] * dtype_bytes
+    return pages * page_size * attention_layers(folder) * 2 * i["kv_heads"] * i["head_dim"] * dtype_bytes
 
 
 def pick_prompts(folder, seed: int, lengths, max_new: int, margin: float = MARGIN,

@@ -21,6 +21,7 @@
 #include <set>
 
 #include "engine/scheduler.h"
+#include "kv/tiers.h"
 
 using namespace qrt;
 
@@ -112,7 +113,11 @@ struct Sim {
   bool overlap = true;
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<Flight> launched;
-  std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page)
+  // With a host tier (kv/tiers.h): the device reads and writes frames, and the tags move with the frames' rows.
+  std::unique_ptr<TierMap> tiers;
+  int device_frames = 0;
+  int64_t frame_moves = 0;
+  std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page), or per frame row
   std::vector<StateTag> slot_state, snapshot_state;  // state models: each slot's and each snapshot's state
   std::vector<int32_t> device_sampled;  // the last step's sampled tokens, as token_src reads them
   std::map<int64_t, std::vector<int32_t>> prompts, published;
@@ -211,7 +216,7 @@ struct Sim {
         if (in.positions[k] != i) FAIL("position %d fed as %d", i, in.positions[k]);
         const int row = in.kv_rows[k];
         if (row / ps != in.page_table[s * in.max_pages + i / ps] || row % ps != i % ps) FAIL("kv_row off its page");
-        if (sched->pool().holders(row / ps) != 1)
+        if (!tiers && sched->pool().holders(row / ps) != 1)
           FAIL("request %lld writes position %d into page %d, which %d requests hold", (long long)q.req->id, i,
                row / ps, sched->pool().holders(row / ps));
         const auto& h = contexts[q.req->id];
@@ -243,11 +248,33 @@ struct Sim {
     return sampled;
   }
 
+  // The engine's host tier: the step's pages as frames, after the frames' moves (tags copied row by row).
+  Plan framed(const Plan& p) {
+    const int ps = opt.page_size;
+    for (int32_t row : p.input.kv_rows)
+      if (sched->pool().holders(row / ps) != 1) FAIL("a step writes page %d, which %d requests hold", row / ps,
+                                                     sched->pool().holders(row / ps));
+    Plan f;
+    f.seqs = p.seqs;
+    f.input = p.input;
+    const PageMoves m = tiers->prepare(f.input, sched->pool().take_dropped(), ps);
+    for (const auto* list : {&m.out, &m.in})
+      for (const auto& [from, to] : *list) {
+        if ((list == &m.out) != (from < device_frames && to > device_frames)) FAIL("a move between the wrong tiers");
+        for (int j = 0; j < ps; ++j) kv[size_t(to * ps + j)] = kv[size_t(from * ps + j)];
+        frame_moves++;
+      }
+    for (int32_t row : f.input.kv_rows)
+      if (row / ps >= device_frames) FAIL("a step writes frame %d, not a device frame", row / ps);
+    if (tiers->on_device() > device_frames) FAIL("%d pages on %d device frames", tiers->on_device(), device_frames);
+    return f;
+  }
+
   std::unique_ptr<Flight> launch(Plan plan) {
     check_plan(plan);
     auto f = std::make_unique<Flight>();
     f->plan = std::move(plan);
-    f->sampled = run_on_device(f->plan);
+    f->sampled = run_on_device(tiers ? framed(f->plan) : f->plan);
     if (!f->sampled.empty()) device_sampled = f->sampled;
     for (auto& s : f->plan.seqs) {
       const Request& q = *s.req;
@@ -291,7 +318,7 @@ struct Sim {
 };
 
 struct Totals {
-  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0;
+  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0, frame_moves = 0;
 };
 
 // One random configuration and workload; adds its counts to t.
@@ -313,6 +340,15 @@ void run_seed(uint64_t seed, Totals& t) {
   sim.snapshot_state.assign(size_t(sim.opt.state_snapshots), StateTag{});
   sim.sched = std::make_unique<Scheduler>(sim.opt);
   sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
+  if (U(0, 2) == 0) {  // a host tier: the engine's frames for this pool (kv/tiers.h)
+    const int reserve = (sim.opt.max_num_batched_tokens + sim.opt.page_size - 1) / sim.opt.page_size +
+                        sim.opt.max_batch_size;
+    sim.device_frames = U(reserve, reserve + sim.opt.num_pages);
+    const int host = std::max(1, sim.opt.num_pages + reserve - sim.device_frames + U(0, 3));
+    sim.tiers = std::make_unique<TierMap>(sim.device_frames, host, sim.opt.num_pages);
+    sim.sched->pool().track_drops();
+    sim.kv.assign(size_t(sim.device_frames + 1 + host) * sim.opt.page_size, RowTag{});
+  }
   const int requests = U(1, 40);
   // Prompts start with a prefix of one of a few shared sequences half of the time (a system prompt, a
   // conversation's earlier turns), then go on at random.
@@ -400,6 +436,7 @@ void run_seed(uint64_t seed, Totals& t) {
   t.cached_tokens += sim.sched->cached_tokens();
   t.shared_reads += sim.shared_reads;
   t.state_restores += sim.state_restores;
+  t.frame_moves += sim.frame_moves;
 }
 
 }  // namespace
@@ -410,7 +447,8 @@ int main(int argc, char** argv) {
   for (int seed = 0; seed < seeds && !g_failed; ++seed) run_seed(uint64_t(seed), t);
   if (g_failed) return 1;
   std::printf("ok (%lld preemptions, %lld prompt tokens from the prefix cache, %lld rows read from pages another "
-              "request wrote, %lld states restored from snapshots)\n", (long long)t.preemptions,
-              (long long)t.cached_tokens, (long long)t.shared_reads, (long long)t.state_restores);
+              "request wrote, %lld states restored from snapshots, %lld frames moved between KV tiers)\n",
+              (long long)t.preemptions, (long long)t.cached_tokens, (long long)t.shared_reads,
+              (long long)t.state_restores, (long long)t.frame_moves);
   return 0;
 }

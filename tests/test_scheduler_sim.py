@@ -2,7 +2,8 @@
 (tests/scheduler_sim.cpp, built here from the real scheduler and page sources): every token fed and every K/V row
 read is checked, outputs equal each request's run alone, no page or slot leaks, and requests that share a prefix
 share its cached pages without writing into them; with a recurrent state (hybrid models), every step starts each
-sequence from a state of exactly its own tokens (a snapshot restored on a hit)."""
+sequence from a state of exactly its own tokens (a snapshot restored on a hit); with a host tier (kv/tiers.h), steps
+write device frames only and read every page where its frame is, after the frames' moves."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests" / "scheduler_sim.cpp", ROOT / "cpp" / "engine" / "scheduler.cpp", ROOT / "cpp" / "kv" / "pages.cpp"]
+SOURCES = [ROOT / "tests" / "scheduler_sim.cpp", ROOT / "cpp" / "engine" / "scheduler.cpp", ROOT / "cpp" / "kv" / "pages.cpp",
+           ROOT / "cpp" / "kv" / "tiers.cpp"]
 
 
 def _build(tmp_path: Path) -> Path:
@@ -37,3 +39,5 @@ def test_scheduler_simulation(tmp_path):
     assert counts[1] > 0 and counts[2] > 0, r.stdout
     # State models (hybrid): prefix hits resumed from state snapshots.
     assert counts[3] > 0, r.stdout
+    # Host tiers: frames moved between the tiers.
+    assert counts[4] > 0, r.stdout

@@ -62,6 +62,19 @@ struct KvLayer {
   // Sparse decode's page summaries (null when off): rows 2 p and 2 p + 1 hold, per column, the min and the max of
   // the keys page p holds so far ([2 * (pages + 1), kv_cols] in the KV dtype; summarize_pages keeps them).
   void* summary = nullptr;
+  // Host tier (Generator(kv_offload_memory)): pages from host_page0 on are rows (page - host_page0) * page_size of
+  // host_k and host_v, host memory the kernels read directly (Backend::alloc_host_tier). New K/V go to the device
+  // tier only: a step writes no host page. Summaries cover the pages of both tiers.
+  void* host_k = nullptr;
+  void* host_v = nullptr;
+  int host_page0 = 0x7fffffff;
+};
+
+// One copy of copy_segments.
+struct CopySegment {
+  void* dst;
+  const void* src;
+  size_t bytes;
 };
 
 // A ragged batch as attention sees it. Sequence s owns query rows [q_start[s], q_start[s+1]);
@@ -181,14 +194,22 @@ class Backend {
   }
   // Never throws: called from destructors, also after a device fault (what cannot be freed then is left).
   virtual void release(void* p) noexcept = 0;
+  // Host memory the backend's kernels read and write directly (the KV cache's host tier; CUDA: pinned and mapped),
+  // zero-filled; copy() takes it as either end. Throws std::invalid_argument when the system will not give (pin) it.
+  virtual void* alloc_host_tier(size_t bytes) { return alloc_zeroed(bytes); }
+  virtual void release_host_tier(void* p) noexcept { release(p); }
   // Stream-ordered copy from host memory; host_src may be reused once upload returns.
   virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
   // Whether backend memory is host memory the host may write directly (upload is a memcpy).
   virtual bool host_memory() const { return false; }
   virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for prior ops
   virtual void fill_zero(void* p, size_t bytes) = 0;
-  // Stream-ordered copy within the backend's memory.
+  // Stream-ordered copy within the backend's memory (and the host tier).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // Stream-ordered copies (host-side list) that may run at once: no segment overlaps another's destination.
+  virtual void copy_segments(const std::vector<CopySegment>& segs) {
+    for (const CopySegment& s : segs) copy(s.dst, s.src, s.bytes);
+  }
   virtual void synchronize() = 0;
   // Free and total memory of the device, for sizing the KV pool.
   virtual void memory_info(size_t* free_bytes, size_t* total_bytes) = 0;

@@ -77,6 +77,7 @@ NB_MODULE(_core, m) {
       .def_rw("max_num_batched_tokens", &EngineOptions::max_num_batched_tokens)
       .def_rw("page_size", &EngineOptions::page_size)
       .def_rw("kv_cache_memory", &EngineOptions::kv_cache_memory)
+      .def_rw("kv_offload_memory", &EngineOptions::kv_offload_memory)
       .def_rw("gpu_memory_utilization", &EngineOptions::gpu_memory_utilization)
       .def_rw("tensor_parallel_size", &EngineOptions::tensor_parallel_size)
       .def_rw("comm", &EngineOptions::comm)
@@ -169,6 +170,12 @@ NB_MODULE(_core, m) {
         d["sparse_rows"] = s.sparse_rows;
         d["sparse_pages_attended"] = s.sparse_pages_attended;
         d["sparse_pages_held"] = s.sparse_pages_held;
+        d["kv_host_bytes"] = s.kv_host_bytes;
+        d["device_pages"] = s.device_pages;
+        d["pages_on_device"] = s.pages_on_device;
+        d["pages_on_host"] = s.pages_on_host;
+        d["kv_bytes_to_host"] = s.kv_bytes_to_host;
+        d["kv_bytes_to_device"] = s.kv_bytes_to_device;
         return d;
       });
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <condition_variable>
 #include <deque>
@@ -124,6 +125,18 @@ uint64_t fork_count() {
   return forks.load();
 }
 
+// Host memory available (bytes): /proc/meminfo's MemAvailable, or infinity where it cannot be read.
+double host_memory_available() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return INFINITY;
+  char line[256];
+  double kb = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemAvailable: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb >= 0 ? kb * 1024 : INFINITY;
+}
+
 // The sparse decode options in pages (rounded up), checked.
 SparseAttention sparse_rule(const EngineOptions& o) {
   SparseAttention r;
@@ -150,6 +163,11 @@ struct Engine::Impl {
   std::vector<Rank> ranks;
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
+  std::unique_ptr<TierMap> tiers;  // with a host tier (kv_offload_memory)
+  // The most pages one step writes: its tokens' pages, and one more per sequence that starts inside a page.
+  int64_t step_pages() const {
+    return (int64_t(opt.max_num_batched_tokens) + opt.page_size - 1) / opt.page_size + opt.max_batch_size;
+  }
 
   mutable std::mutex mu;
   std::condition_variable work_cv, out_cv;
@@ -285,6 +303,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(opt.page_size >= 1 && (opt.page_size & (opt.page_size - 1)) == 0,
                 "page_size must be a power of two");
   QRT_CHECK_ARG(opt.state_snapshots >= 0, "state_snapshots must be >= 0");
+  QRT_CHECK_ARG(opt.kv_offload_memory >= 0, "kv_offload_memory must be >= 0 bytes");
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
@@ -393,28 +412,57 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     const int64_t want = int64_t(opt.max_batch_size) * lim.max_pages_per_seq;
     pages = std::min<int64_t>(int64_t(share / double(bpp)), want);
   }
+  if (opt.kv_offload_memory > 0) {
+    const double avail = host_memory_available() - (cuda ? 0.0 : double(pages) * double(bpp) * n);
+    QRT_CHECK_ARG(double(opt.kv_offload_memory) * n <= 0.9 * avail, "kv_offload_memory (", opt.kv_offload_memory,
+                  " bytes per rank", n > 1 ? str_cat(", ", n, " ranks") : std::string(), ") exceeds 90% of the host ",
+                  "memory available (", int64_t(std::max(avail, 0.0)), " bytes)");
+  }
+  // Host tier: its frames' summary rows are on the device, taken from its pages; the pool holds `reserve` pages
+  // fewer than the tiers' frames, so a step's pages always find device frames (kv/tiers.h).
+  int64_t host_pages = 0, logical = pages;
+  if (opt.kv_offload_memory > 0) {
+    QRT_CHECK_ARG(bpp > 0, "kv_offload_memory: this model has no attention layer (no K/V to offload)");
+    const int L = cfg.num_attention_layers(), cols = ranks[0].model->kv_cols();
+    host_pages = opt.kv_offload_memory / int64_t(KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt));
+    QRT_CHECK_ARG(host_pages >= 1, "kv_offload_memory (", opt.kv_offload_memory, " bytes) holds no page: one needs ",
+                  KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt), " bytes per rank");
+    const int64_t sbpp = int64_t(KvCache::summary_bytes_per_page(L, cols, kvdt, sparse.budget_pages > 0));
+    pages -= (host_pages * sbpp + int64_t(bpp) - 1) / int64_t(bpp);
+    const int64_t reserve = step_pages();
+    QRT_CHECK_ARG(pages >= reserve, "kv_offload_memory: the device KV pool (", std::max<int64_t>(pages, 0),
+                  " pages) must hold the pages one step writes (", reserve, ": max_num_batched_tokens / page_size + ",
+                  "max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
+    logical = pages + host_pages - reserve;
+  }
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
-  QRT_CHECK_ARG(pages < (int64_t(1) << 31) / opt.page_size, "too many KV pages");
+  QRT_CHECK_ARG(logical < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_attention_layers(), int(pages), opt.page_size, rk.model->kv_cols(),
-                                      kvdt, sparse.budget_pages > 0);
+    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_attention_layers(), int(pages), int(host_pages), opt.page_size,
+                                      rk.model->kv_cols(), kvdt, sparse.budget_pages > 0);
     rk.be->synchronize();
   }, kNoLimit);
+  if (host_pages > 0) tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical));
   // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
   // request could never run. (One the caller set stays; such a request is refused at submit.)
-  if (default_len) opt.max_model_len = int(std::min<int64_t>(opt.max_model_len, pages * opt.page_size + 1));
+  if (default_len) opt.max_model_len = int(std::min<int64_t>(opt.max_model_len, logical * opt.page_size + 1));
   SchedulerOptions so;
   so.max_batch_size = opt.max_batch_size;
   so.max_num_batched_tokens = opt.max_num_batched_tokens;
   so.page_size = opt.page_size;
-  so.num_pages = int(pages);
+  so.num_pages = int(logical);
   so.max_model_len = opt.max_model_len;
   so.prefix_caching = opt.prefix_caching;
   so.has_state = delta_layers > 0;
   so.state_snapshots = opt.state_snapshots;
   sched = std::make_unique<Scheduler>(so);
+  if (tiers) sched->pool().track_drops();
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
+  snapshot.kv_host_bytes = host_pages > 0
+      ? KvCache::host_bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt) *
+            size_t(host_pages) : 0;
+  snapshot.device_pages = int(pages);
   snapshot.state_bytes = state_bytes;
   update_snapshot();
 }
@@ -459,8 +507,10 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
                 " has ", int64_t(free_b), " bytes available");
   if (!default_len) return;
   // The most pages the pool could take (build sizes it from what is left after loading: fewer).
-  const double pages = opt.kv_cache_memory > 0 ? double(opt.kv_cache_memory) / f.kv_page
-                                               : (cuda ? opt.gpu_memory_utilization : 0.25 / n) * free_b / f.kv_page;
+  double pages = opt.kv_cache_memory > 0 ? double(opt.kv_cache_memory) / f.kv_page
+                                         : (cuda ? opt.gpu_memory_utilization : 0.25 / n) * free_b / f.kv_page;
+  if (opt.kv_offload_memory > 0 && f.kv_page > 0)  // the host tier's pages (a host frame has no summary rows)
+    pages += double(opt.kv_offload_memory) / (f.kv_page * opt.page_size / (opt.page_size + (sh.sparse ? 1 : 0)));
   opt.max_model_len = int(std::min<double>(opt.max_model_len, std::floor(pages) * opt.page_size + 1));
   opt.max_model_len = std::max(opt.max_model_len, 2);
 }
@@ -591,14 +641,30 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   f->plan = std::move(plan);
   const Plan& p = f->plan;
   const int32_t* sampled = ranks[0].be->sampled_tokens();
+  // With a host tier: the step's pages as frames, and the frames' moves that give its written pages device frames.
+  StepInput framed;
+  PageMoves moves;
+  if (tiers) {
+    framed = p.input;
+    moves = tiers->prepare(framed, sched->pool().take_dropped(), opt.page_size);
+    const size_t page_bytes = KvCache::host_bytes_per_page(cfg.num_attention_layers(), opt.page_size,
+                                                           ranks[0].model->kv_cols(), ranks[0].be->kv_dtype());
+    std::lock_guard<std::mutex> lk(mu);
+    snapshot.kv_bytes_to_host += int64_t(moves.out.size() * page_bytes);
+    snapshot.kv_bytes_to_device += int64_t(moves.in.size() * page_bytes);
+    snapshot.pages_on_device = tiers->on_device();
+    snapshot.pages_on_host = tiers->on_host();
+  }
+  const StepInput& input = tiers ? framed : p.input;
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
     test_fail_rank(r);
+    if (!moves.empty()) rk.kv->move(moves);
     // State models: a prefix hit's slot resumes from its snapshot; a prompt's state is snapshotted where its
     // chunk ended at a snapshot boundary (stream-ordered around the step).
     for (const auto& s : p.seqs)
       if (s.restore >= 0) rk.state->copy_slot(rk.state->snapshot_slot(s.restore), s.req->slot);
-    Tensor l = rk.model->forward(p.input, *rk.kv, rk.state.get(), r == 0 ? sampled : nullptr);
+    Tensor l = rk.model->forward(input, *rk.kv, rk.state.get(), r == 0 ? sampled : nullptr);
     for (const auto& s : p.seqs)
       if (s.snapshot >= 0) rk.state->copy_slot(s.req->slot, rk.state->snapshot_slot(s.snapshot));
     if (r == 0) logits = l;

@@ -21,6 +21,7 @@ struct EngineOptions {
   int max_num_batched_tokens = 2048;
   int page_size = 16;
   int64_t kv_cache_memory = 0;     // bytes per rank; 0: from memory left
+  int64_t kv_offload_memory = 0;   // bytes per rank of host memory (pinned) for a second KV tier (kv/tiers.h); 0: none
   double gpu_memory_utilization = 0.9;
   int tensor_parallel_size = 1;
   std::string comm = "auto";       // "auto" (single rank, CPU threads or NCCL by device) or "nccl" (even for one rank)
@@ -50,6 +51,10 @@ struct EngineStats {
   // Sparse decode: rows that selected their pages, and the pages those rows attended to of all they hold (per kv
   // head and layer alike): attended / held is the fraction of the K/V they read.
   int64_t sparse_rows = 0, sparse_pages_attended = 0, sparse_pages_held = 0;
+  // Host tier (kv_offload_memory): frames of each tier, pages with K/V in each, bytes moved each way (per rank).
+  size_t kv_host_bytes = 0;
+  int device_pages = 0, pages_on_device = 0, pages_on_host = 0;
+  int64_t kv_bytes_to_host = 0, kv_bytes_to_device = 0;
 };
 
 class Engine {

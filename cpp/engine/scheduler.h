@@ -79,6 +79,7 @@ class Scheduler {
   // Tokens whose K/V came from the cache instead of a step (a preempted request taking its own pages back too).
   int64_t cached_tokens() const { return cached_tokens_; }
   const PagePool& pool() const { return pool_; }
+  PagePool& pool() { return pool_; }
 
  private:
   bool ensure_pages(Request& r, int tokens);  // pages for tokens [0, tokens) of r

@@ -40,6 +40,7 @@ int PagePool::alloc() {
     id = lru_.front();
     lru_.pop_front();
     drop_name(pages_[size_t(id)]);
+    if (track_drops_) dropped_.push_back(id);
   } else {
     return -1;
   }
@@ -65,6 +66,7 @@ void PagePool::release(int page) {
     p.lru = lru_.insert(lru_.end(), page);
   } else {
     free_.push_back(page);
+    if (track_drops_) dropped_.push_back(page);
   }
 }
 

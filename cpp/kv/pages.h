@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <list>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace qrt {
@@ -29,6 +30,10 @@ class PagePool {
   void retain(int page);    // one more holder of a page that lookup() found (held or cached)
   void release(int page);   // one holder fewer; with none left it is cached if it has a name, else free
   int holders(int page) const { return pages_[size_t(page)].holders; }
+  // After track_drops(): the pages whose K/V content was dropped (freed, or a cached page taken for new content)
+  // since the last call (kv/tiers.h frees their frames).
+  void track_drops() { track_drops_ = true; }
+  std::vector<int> take_dropped() { return std::exchange(dropped_, {}); }
 
   // Names page (held, full, its K/V written or being written by a launched step) as the one after `parent`
   // (-1: the first of a prefix) holding tokens[0, page_size), where parent_gen is the parent's generation
@@ -67,6 +72,8 @@ class PagePool {
   std::vector<int> free_;  // stack: most recently freed first
   std::list<int> lru_;     // cached pages, least recently released first
   std::unordered_map<Name, int, NameHash> named_;
+  bool track_drops_ = false;
+  std::vector<int> dropped_;
 };
 
 struct Slot {

@@ -7,6 +7,7 @@ Figures:
   offline   512 requests of 128 prompt + 128 output tokens; 1000 requests with lengths drawn from 32..2048
   prefill   time to first token, prefill tokens/s and MFU for long prompts
   startup   Generator() to first token with the weights in safetensors files on local disk
+  longctx   batch-1 decode at long contexts, full attention and sparse (page selection) at several budgets
   hf        transformers (sdpa; dynamic cache, static cache, static cache compiled) batch-1 and batch-N
             decode on the same config; with decode, qwen_rt against the fastest of them (end to end)
 """
@@ -262,6 +263,39 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
     return rows
 
 
+def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng) -> list[dict]:
+    """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
+    the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
+    each tier. offload: kv_offload_memory (bytes; 0: none)."""
+    from qwen_rt import SparseAttention
+    rows = []
+    for n in lengths:
+        for budget in [0] + list(budgets):
+            sparse = SparseAttention(budget_tokens=budget) if budget else None
+            g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
+                     enable_prefix_caching=True, sparse_attention=sparse, kv_offload_memory=offload or None)
+            try:
+                p = _prompts(rng, 1, n, g.config["vocab_size"])
+                kw = dict(ignore_eos=True, temperature=0)
+                t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); prefill = time.perf_counter() - t
+                g.generate(p, max_tokens=4, **kw)  # graphs captured, the prompt's pages cached
+                t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); t1 = time.perf_counter() - t
+                t = time.perf_counter(); g.generate(p, max_tokens=new_tokens, **kw); tn = time.perf_counter() - t
+                step = (tn - t1) / (new_tokens - 1)
+                st = g.stats()
+                rows.append({"model": model, "quantization": QUANT, "context": n,
+                             "attention": f"sparse {budget}" if budget else "full",
+                             "prefill_s": round(prefill, 2), "step_ms": round(step * 1e3, 3),
+                             "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),
+                             "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
+                             "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
+                             if st["sparse_pages_held"] else 1.0})
+                log(rows[-1])
+            finally:
+                g.close()
+    return rows
+
+
 def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, caches=("dynamic", "static")) -> list[dict]:
     """transformers on the same config (random weights), sdpa, dynamic and static cache."""
     torch = _torch()
@@ -362,6 +396,10 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-model", default="qwen3-8b")
     p.add_argument("--hf-caches", default="dynamic,static,static+compile", help="dynamic, static, static+compile")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--longctx-model", default="qwen3.8-27b")
+    p.add_argument("--longctx-lengths", default="4096,32768,131072")
+    p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
+    p.add_argument("--longctx-offload", type=int, default=0, help="kv_offload_memory in bytes (0: none)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: the weights quantized at load (block-128 FP8, as Qwen's FP8 checkpoints); the "
@@ -408,6 +446,11 @@ def run(args) -> int:
     if "prefill" in parts:
         rec["prefill"] = bench_prefill(args.prefill_model, [int(x) for x in args.prefill_lengths.split(",")], limits, rng)
         print_table(rec["prefill"])
+    if "longctx" in parts:
+        rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
+                                       [int(x) for x in args.longctx_budgets.split(",") if x],
+                                       max(args.new_tokens, 8), args.longctx_offload, rng)
+        print_table(rec["longctx"])
     if "startup" in parts:
         rec["startup"] = []
         for m in args.startup_models.split(","):

@@ -331,7 +331,7 @@ class Generator:
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
-                 sparse_attention: SparseAttention | None = None):
+                 sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -360,6 +360,11 @@ class Generator:
             raise TypeError("kv_cache_memory must be an int (bytes) or None")
         if kv_cache_memory is not None and not 0 < kv_cache_memory < 2**63:
             raise ValueError(f"kv_cache_memory must be in (0, 2**63) bytes, got {kv_cache_memory}")
+        if kv_offload_memory is not None and (isinstance(kv_offload_memory, bool)
+                                              or not isinstance(kv_offload_memory, int)):
+            raise TypeError("kv_offload_memory must be an int (bytes) or None")
+        if kv_offload_memory is not None and not 0 < kv_offload_memory < 2**63:
+            raise ValueError(f"kv_offload_memory must be in (0, 2**63) bytes, got {kv_offload_memory}")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real):
             raise TypeError(f"gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -419,6 +424,7 @@ class Generator:
         opts.max_num_batched_tokens = max_num_batched_tokens
         opts.page_size = page_size
         opts.kv_cache_memory = kv_cache_memory or 0
+        opts.kv_offload_memory = kv_offload_memory or 0
         opts.gpu_memory_utilization = float(gpu_memory_utilization)
         opts.tensor_parallel_size = tensor_parallel_size
         opts.dummy_weights = load_format == "dummy"

@@ -206,6 +206,8 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
   const int64_t kv_cols = int64_t(Hkv) * D;
   const E* kc = static_cast<const E*>(cache.k);
   const E* vc = static_cast<const E*>(cache.v);
+  const E* host_kc = static_cast<const E*>(cache.host_k);
+  const E* host_vc = static_cast<const E*>(cache.host_v);
   std::vector<int> row_seq(b.num_tokens);
   for (int si = 0; si < b.num_seqs; ++si)
     for (int r = b.q_start[si]; r < b.q_start[si + 1]; ++r) row_seq[r] = si;
@@ -231,21 +233,26 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
       const int n = b.ctx_len[list] - q_len + (r - b.q_start[si]) + 1;  // positions [0, pos]
       const int32_t* pages = b.page_table + list * b.max_pages;
       const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh0) * group * D;
-      auto cache_row = [&](int p) { return int64_t(pages[p / b.page_size]) * b.page_size + p % b.page_size; };
+      // Key p's K (or V) row of head kh0 + kh: in the device tier, or (pages from host_page0 on) the host tier.
+      auto at = [&](const E* dev, const E* host, int p, int kh) {
+        const int page = pages[p / b.page_size];
+        const bool on_host = page >= cache.host_page0;
+        const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
+        return (on_host ? host : dev) + r * kv_cols + int64_t(kh0 + kh) * D;
+      };
       if (vector_path) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         with_const<16>(D / kW, [&](auto chunks) {
           for (int kh = 0; kh < heads_per_task; ++kh) {
-            const int64_t off = int64_t(kh0 + kh) * D;
             group_scores<decltype(chunks)::value>(kind, qr + int64_t(kh) * group * D, group, n, s.scale,
-                                                  [&](int p) { return kc + cache_row(p) * kv_cols + off; },
+                                                  [&](int p) { return at(kc, host_kc, p, kh); },
                                                   scores.data() + size_t(kh) * group * n, n);
           }
         });
 #endif
       } else {
         for (int p = 0; p < n; ++p) {
-          const float* kr = as_f32(kind, kc + cache_row(p) * kv_cols + int64_t(kh0) * D, int(row.size()), row.data());
+          const float* kr = as_f32(kind, at(kc, host_kc, p, 0), int(row.size()), row.data());
           for (int h = 0; h < hq; ++h) scores[size_t(h) * n + p] = dot(qr + h * D, kr + (h / group) * D, D) * s.scale;
         }
       }
@@ -259,9 +266,8 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         with_const<16>(D / kW, [&](auto chunks) {
           for (int kh = 0; kh < heads_per_task; ++kh) {
-            const int64_t off = int64_t(kh0 + kh) * D;
             group_weighted_sum<decltype(chunks)::value>(kind, scores.data() + size_t(kh) * group * n, n, group, n,
-                                                        [&](int p) { return vc + cache_row(p) * kv_cols + off; },
+                                                        [&](int p) { return at(vc, host_vc, p, kh); },
                                                         acc.data() + size_t(kh) * group * D);
           }
         });
@@ -269,7 +275,7 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int p = 0; p < n; ++p) {
-          const float* vr = as_f32(kind, vc + cache_row(p) * kv_cols + int64_t(kh0) * D, int(row.size()), row.data());
+          const float* vr = as_f32(kind, at(vc, host_vc, p, 0), int(row.size()), row.data());
           for (int h = 0; h < hq; ++h) {
             const float w = scores[size_t(h) * n + p];
             float* __restrict__ a = acc.data() + size_t(h) * D;

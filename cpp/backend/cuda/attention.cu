@@ -101,6 +101,9 @@ struct AttnArgs {
   int64_t q_stride;
   const void* kc;
   const void* vc;
+  const void* host_k;  // the host tier (ops.h KvLayer), from page host_page0 on
+  const void* host_v;
+  int host_page0;
   const int32_t* q_start;
   const int32_t* ctx_len;
   const int32_t* page_table;
@@ -116,20 +119,42 @@ __device__ __forceinline__ int64_t list_of(const AttnArgs& a, int s, int kvh) {
   return a.head_tables ? int64_t(s) * a.kv_heads + kvh : s;
 }
 
-// One sequence's kv head in the paged cache: key j's K row is k + row(j) * cols (V likewise).
+// Key j's K and V rows (one head's D elements each).
+template <typename T> struct KvPtr {
+  const T* k;
+  const T* v;
+};
+// One sequence's kv head in the paged cache: key j's rows are row(j) * cols elements into its tier's K and V
+// (pages from host_page0 on: the host tier, ops.h KvLayer).
 template <typename T> struct KvHead {
   const T* k;
   const T* v;
+  const T* host_k;
+  const T* host_v;
+  int host_page0;
   int64_t cols;
   const int32_t* pages;
   int page_size;
-  __device__ __forceinline__ int64_t row(int j) const {
-    return int64_t(pages[j / page_size]) * page_size + (j % page_size);
+  // Key j's row offset (elements) from its tier's base; on_host: the tier.
+  __device__ __forceinline__ int64_t row(int j, bool& on_host) const {
+    const int page = pages[j / page_size];
+    on_host = page >= host_page0;
+    return (int64_t(on_host ? page - host_page0 : page) * page_size + (j % page_size)) * cols;
+  }
+  __device__ __forceinline__ KvPtr<T> at(int64_t row, bool on_host) const {
+    return on_host ? KvPtr<T>{host_k + row, host_v + row} : KvPtr<T>{k + row, v + row};
+  }
+  __device__ __forceinline__ KvPtr<T> at(int j) const {
+    bool on_host;
+    const int64_t r = row(j, on_host);
+    return at(r, on_host);
   }
 };
 template <typename T, int D>
 __device__ __forceinline__ KvHead<T> kv_head(const AttnArgs& a, int seq, int kvh) {
-  return {static_cast<const T*>(a.kc) + int64_t(kvh) * D, static_cast<const T*>(a.vc) + int64_t(kvh) * D,
+  const int64_t h = int64_t(kvh) * D;
+  return {static_cast<const T*>(a.kc) + h, static_cast<const T*>(a.vc) + h,
+          static_cast<const T*>(a.host_k) + h, static_cast<const T*>(a.host_v) + h, a.host_page0,
           int64_t(a.kv_heads) * D, a.page_table + list_of(a, seq, kvh) * a.max_pages, a.page_size};
 }
 
@@ -218,9 +243,9 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
       const int t = c / CPR, part = c - t * CPR;
       const int j = k0 + t;
       const bool ok = j < k_end;
-      const int64_t crow = ok ? cache.row(j) * cache.cols : 0;
-      cp_async16(ks + t * LD + part * EPC, cache.k + crow + part * EPC, ok);
-      cp_async16(vs + t * LD + part * EPC, cache.v + crow + part * EPC, ok);
+      const KvPtr<T> kv = ok ? cache.at(j) : KvPtr<T>{cache.k, cache.v};
+      cp_async16(ks + t * LD + part * EPC, kv.k + part * EPC, ok);
+      cp_async16(vs + t * LD + part * EPC, kv.v + part * EPC, ok);
     }
     cp_async_commit();
   };
@@ -477,8 +502,8 @@ __device__ __forceinline__ void for_kv_parts(const KvHead<T>& cache, int j, int 
     const int i = c / CPR, part = c - i * CPR;
     const int key = j * BN + i;
     const bool ok = key < n_keys;
-    const int64_t crow = ok ? cache.row(key) * cache.cols : 0;
-    put(i, part, cache.k + crow + part * 8, cache.v + crow + part * 8, ok);
+    const KvPtr<T> kv = ok ? cache.at(key) : KvPtr<T>{cache.k, cache.v};
+    put(i, part, kv.k + part * 8, kv.v + part * 8, ok);
   }
 }
 
@@ -892,20 +917,21 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
   // dims 64 g + 8 gid .. + 8 of it. Keys past k_stop read key k0's row (finite values, masked or weighted 0).
   // A warp loads its next step's K and V before it works on the current one.
   auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
-    const int64_t base = one_page ? cache.row(k0) : 0;
-    auto key_row = [&](int j) {
+    const KvPtr<T> base = one_page ? cache.at(k0) : KvPtr<T>{cache.k, cache.v};
+    auto key_at = [&](int j) {
       const int jj = j < k_stop ? j : k0;
-      return (one_page ? base + (jj - k0) : cache.row(jj)) * cache.cols;
+      if (one_page) return KvPtr<T>{base.k + (jj - k0) * cache.cols, base.v + (jj - k0) * cache.cols};
+      return cache.at(jj);
     };
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const T* kr = cache.k + key_row(k0 + 8 * t + gid) + 8 * tig;
+      const T* kr = key_at(k0 + 8 * t + gid).k + 8 * tig;
 #pragma unroll
       for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const T* vr = cache.v + key_row(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)) + 8 * gid;
+      const T* vr = key_at(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)).v + 8 * gid;
 #pragma unroll
       for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
     }
@@ -1189,6 +1215,9 @@ void attn_args(AttnArgs& a, const Tensor& q, const KvLayer& cache, const AttnBat
   a.q_stride = q.stride;
   a.kc = cache.k;
   a.vc = cache.v;
+  a.host_k = cache.host_k;
+  a.host_v = cache.host_v;
+  a.host_page0 = cache.host_page0;
   a.q_start = b.q_start;
   a.ctx_len = b.ctx_len;
   a.page_table = b.page_table;

@@ -241,15 +241,18 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
         const int st = j % STAGES;
         if (j >= STAGES) mbar_wait(empty0 + 8 * st, uint32_t((j / STAGES - 1) & 1));
         const int mine = j * BN + pw * kKeys + lane % kKeys;
-        const int64_t my_row = mine < qt.n_keys ? cache.row(mine) * cache.cols : -1;
+        bool my_host = false;
+        const int64_t my_row = mine < qt.n_keys ? cache.row(mine, my_host) : -1;
         const uint32_t ks = k_s(st), vs = ks + Cfg::kKvBytes;
 #pragma unroll
         for (int i = 0; i < kKeys; i += kKeysPerStep) {
           const int64_t crow = __shfl_sync(0xffffffffu, my_row, i + sub);
+          const bool on_host = __shfl_sync(0xffffffffu, my_host, i + sub);
           const bool ok = crow >= 0;
           const uint32_t off = swizzled(BN, pw * kKeys + i + sub, part);
-          cp_async16_to(ks + off, cache.k + (ok ? crow : 0) + part * 8, ok);
-          cp_async16_to(vs + off, cache.v + (ok ? crow : 0) + part * 8, ok);
+          const KvPtr<T> kv = cache.at(ok ? crow : 0, ok && on_host);
+          cp_async16_to(ks + off, kv.k + part * 8, ok);
+          cp_async16_to(vs + off, kv.v + part * 8, ok);
         }
         mbar_arrive_cp_async(full0 + 8 * st);  // Q joins tile 0
       }

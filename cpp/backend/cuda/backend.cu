@@ -196,7 +196,25 @@ void CudaBackend::fill_zero(void* p, size_t bytes) {
 
 void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
   set_device();
-  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copy");
+  // Default: either end may be the host tier (mapped host memory).
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "copy");
+}
+
+void* CudaBackend::alloc_host_tier(size_t bytes) {
+  set_device();
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::invalid_argument(str_cat("kv_offload_memory: pinning ", bytes, " bytes of host memory failed (",
+                                        cudaGetErrorString(e), "); ask for less"));
+  }
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void CudaBackend::release_host_tier(void* p) noexcept {
+  if (p && cudaFreeHost(p) != cudaSuccess) cudaGetLastError();
 }
 
 void CudaBackend::synchronize() {

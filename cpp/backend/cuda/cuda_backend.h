@@ -25,6 +25,8 @@ class CudaBackend final : public Backend {
 
   void* alloc(size_t bytes) override;
   void release(void* p) noexcept override;
+  void* alloc_host_tier(size_t bytes) override;
+  void release_host_tier(void* p) noexcept override;
   void upload(void* dst, const void* host_src, size_t bytes) override;
   void download(void* host_dst, const void* src, size_t bytes) override;
   void fill_zero(void* p, size_t bytes) override;

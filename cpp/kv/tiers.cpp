@@ -1,0 +1,99 @@
+#include "kv/tiers.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace qrt {
+
+TierMap::TierMap(int device_frames, int host_frames, int num_pages)
+    : device_(device_frames), host_(host_frames), pages_(size_t(num_pages)),
+      frame_page_(size_t(device_frames) + 1 + size_t(host_frames), -1) {
+  QRT_CHECK(num_pages <= device_frames + host_frames, "more pages than frames");
+  for (int f = device_frames - 1; f >= 0; --f) device_free_.push_back(f);
+  for (int f = device_frames + host_frames; f > device_frames; --f) host_free_.push_back(f);
+}
+
+void TierMap::free_frame(int f) {
+  const int page = frame_page_[size_t(f)];
+  if (page < 0) return;
+  frame_page_[size_t(f)] = -1;
+  if (on_host_frame(f)) {
+    host_free_.push_back(f);
+  } else {
+    device_lru_.erase({pages_[size_t(page)].written, page});
+    device_free_.push_back(f);
+  }
+  pages_[size_t(page)].frame = -1;
+}
+
+int TierMap::take_frame(std::vector<int>& free_list) {
+  QRT_CHECK(!free_list.empty(), "no free frame in a KV tier");
+  const int f = free_list.back();
+  free_list.pop_back();
+  return f;
+}
+
+PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps) {
+  ++step_;
+  for (int page : dropped) {
+    const int f = pages_[size_t(page)].frame;
+    if (f >= 0) free_frame(f);
+  }
+  // The pages this step writes, in order.
+  std::vector<int> written;
+  for (int32_t row : s.kv_rows) {
+    const int page = row / ps;
+    if (written.empty() || written.back() != page) written.push_back(page);
+  }
+  std::sort(written.begin(), written.end());
+  written.erase(std::unique(written.begin(), written.end()), written.end());
+  // Those without a device frame: the device frames they take, freeing the least recently written others.
+  int need = 0;
+  for (int page : written) need += pages_[size_t(page)].frame < 0 || on_host_frame(pages_[size_t(page)].frame);
+  PageMoves moves;
+  auto is_written = [&](int page) { return std::binary_search(written.begin(), written.end(), page); };
+  for (auto it = device_lru_.begin(); int(device_free_.size()) < need;) {
+    QRT_CHECK(it != device_lru_.end(), "a step writes more pages than the device tier holds");
+    const int page = it->second;
+    if (is_written(page)) {
+      ++it;
+      continue;
+    }
+    const int from = pages_[size_t(page)].frame, to = take_frame(host_free_);
+    it = device_lru_.erase(it);
+    frame_page_[size_t(from)] = -1;
+    device_free_.push_back(from);
+    frame_page_[size_t(to)] = page;
+    pages_[size_t(page)].frame = to;
+    moves.out.emplace_back(from, to);
+  }
+  std::vector<int> host_vacated;  // free once the moves in are done (not a destination of this step's outs)
+  for (int page : written) {
+    Page& p = pages_[size_t(page)];
+    if (p.frame >= 0 && !on_host_frame(p.frame)) {
+      device_lru_.erase({p.written, page});
+    } else {
+      const int to = take_frame(device_free_);
+      if (p.frame >= 0) {  // content on the host: the step writes after it
+        moves.in.emplace_back(p.frame, to);
+        frame_page_[size_t(p.frame)] = -1;
+        host_vacated.push_back(p.frame);
+      }
+      p.frame = to;
+      frame_page_[size_t(to)] = page;
+    }
+    p.written = step_;
+    device_lru_.insert({step_, page});
+  }
+  host_free_.insert(host_free_.end(), host_vacated.begin(), host_vacated.end());
+  // Pages to frames.
+  for (int32_t& row : s.kv_rows) row = pages_[size_t(row / ps)].frame * ps + row % ps;
+  for (int32_t& page : s.page_table) {
+    const int f = pages_[size_t(page)].frame;
+    page = f >= 0 ? f : 0;  // columns past a sequence's pages hold page ids that are never read
+  }
+  return moves;
+}
+
+}  // namespace qrt

@@ -1,0 +1,54 @@
+// TierMap: where each page's K/V live, a frame of the device tier or of the host tier (host bookkeeping, shared by
+// all ranks; KvCache holds the frames). Pages are the scheduler's ids; a page moves between tiers, its id stays.
+// Frames are numbered as the kernels read them (ops.h KvLayer): device frames [0, device), the scratch frame
+// `device`, host frames [device + 1, device + 1 + host).
+//
+// Before each step, every page the step writes gets a device frame: the least recently written device pages that
+// the step does not write move to free host frames (their rows are copied out), then pages written again from the
+// host are copied in. Other pages are read where they are: attention reads host frames directly. The pool holds at
+// most device + host - reserve pages, reserve >= the pages one step writes, so both moves always find a frame.
+#pragma once
+#include <cstdint>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "kv/pages.h"
+#include "model/step.h"
+
+namespace qrt {
+
+// Frame copies before a step: every `out` first (device -> host), then every `in` (host -> device).
+struct PageMoves {
+  std::vector<std::pair<int, int>> out, in;  // (from frame, to frame)
+  bool empty() const { return out.empty() && in.empty(); }
+};
+
+class TierMap {
+ public:
+  TierMap(int device_frames, int host_frames, int num_pages);
+  // Frees the frames of pages whose content is gone (PagePool::take_dropped), gives each page the step writes a
+  // device frame, and rewrites the step's kv_rows and page table from pages to frames (page_size rows each).
+  PageMoves prepare(StepInput& step, const std::vector<int>& dropped, int page_size);
+  int on_device() const { return device_ - int(device_free_.size()); }  // pages with content, by tier
+  int on_host() const { return host_ - int(host_free_.size()); }
+  int frame(int page) const { return pages_[size_t(page)].frame; }
+
+ private:
+  struct Page {
+    int frame = -1;        // -1: no content
+    uint64_t written = 0;  // the step that last wrote it
+  };
+  bool on_host_frame(int f) const { return f > device_; }
+  void free_frame(int f);
+  int take_frame(std::vector<int>& free_list);
+
+  int device_, host_;
+  uint64_t step_ = 0;
+  std::vector<Page> pages_;
+  std::vector<int> device_free_, host_free_;  // stacks
+  std::vector<int> frame_page_;               // frame -> its page, or -1
+  std::set<std::pair<uint64_t, int>> device_lru_;  // (written, page) of the pages on device frames
+};
+
+}  // namespace qrt

@@ -1,0 +1,146 @@
+"""The KV cache's host tier (Generator(kv_offload_memory=...)), on the CPU in fp32: a device pool far smaller than the
+requests' contexts, pages moving out to the host tier and back, attention reading them in place. Every output equals
+the run without a host tier, token for token and logprob for logprob (the moves are exact copies), also with
+sparse attention, prefix hits on pages that went to the host, preemption and cancellation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import models as M
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PS = 4
+
+
+def offload_kwargs(folder, device_pages, host_pages, **kw):
+    kw = dict(page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400, **kw)
+    kw["kv_cache_memory"] = M.kv_bytes(folder, device_pages, PS)
+    kw["kv_offload_memory"] = M.kv_bytes(folder, host_pages, PS)
+    return kw
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])
+def test_contexts_8x_the_device_pool_equal_the_run_without_a_host_tier(build, fresh_gen, name):
+    """Device pool 10 pages (40 tokens), contexts up to ~330 tokens: the same tokens and logprobs as a pool that
+    holds everything; the device pool's bytes stay what they were, and pages went out and came back."""
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=11, lengths=[310, 150, 7], max_new=12)
+    ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400)
+    gen = fresh_gen(folder, **offload_kwargs(folder, device_pages=10, host_pages=200))
+    want = ref.generate(prompts, max_tokens=12, logprobs=2, **GREEDY)
+    got = gen.generate(prompts, max_tokens=12, logprobs=2, **GREEDY)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == w.logprobs
+    st = gen.stats()
+    assert st["device_pages"] == 10 and st["kv_bytes"] == M.kv_bytes(folder, 10, PS)
+    assert st["kv_host_bytes"] == M.kv_bytes(folder, 200, PS)
+    assert st["total_pages"] == 10 + 200 - (16 // PS + 2)  # a step's pages are held back
+    assert st["pages_on_device"] <= 10
+    assert st["kv_bytes_to_host"] >= 70 * M.kv_bytes(folder, 1, PS)  # the 310-token prompt's pages went out
+    assert st["pages_on_host"] > 0  # the prompts' cached pages
+
+
+def test_prefix_hit_on_pages_in_the_host_tier(build, fresh_gen):
+    """A prompt's pages, cached, are pushed to the host by a later request; the prompt again takes them from there
+    (read in place) and gives the same output."""
+    folder = build("qwen3_gqa2_tied")
+    a, b = M.pick_prompts(folder, seed=12, lengths=[120, 200], max_new=8)
+    gen = fresh_gen(folder, **offload_kwargs(folder, device_pages=12, host_pages=200))
+    first = gen.generate([a], max_tokens=8, logprobs=1, **GREEDY)[0]
+    gen.generate([b], max_tokens=8, **GREEDY)
+    before = gen.stats()
+    again = gen.generate([a], max_tokens=8, logprobs=1, **GREEDY)[0]
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+    assert again.cached_tokens >= 100
+    assert before["pages_on_host"] >= 25
+
+
+def test_sparse_attention_over_both_tiers(build, fresh_gen):
+    """Sparse decode selecting among pages of both tiers: the run without a host tier's output."""
+    import qwen_rt
+
+    folder = build("qwen3_gqa2_tied")
+    prompts = M.pick_prompts(folder, seed=13, lengths=[250, 90], max_new=10)
+    sa = qwen_rt.SparseAttention(budget_tokens=48, sink_tokens=4, window_tokens=8)
+    ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400,
+                    sparse_attention=sa)
+    kw = offload_kwargs(folder, device_pages=12, host_pages=150)
+    # A page's summary (a min and a max key row per layer, on the device for both tiers) takes a token's K/V bytes.
+    kw["kv_cache_memory"] = M.kv_bytes(folder, 1, 1) * (12 * (PS + 1) + 150)
+    gen = fresh_gen(folder, sparse_attention=sa, **kw)
+    want = ref.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
+    got = gen.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.logprobs for g in got] == [w.logprobs for w in want]
+    st = gen.stats()
+    assert st["device_pages"] == 12 and st["sparse_rows"] > 0 and st["kv_bytes_to_host"] > 0
+
+
+def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, idle):
+    """Four long requests through a pool of 40 pages in all (preemption), one cancelled mid-way: the others give
+    the output they give alone, and every page is free at the end."""
+    folder = build("qwen3_gqa2_tied")
+    prompts = M.pick_prompts(folder, seed=14, lengths=[60, 70, 50, 65], max_new=24)
+    ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400)
+    want = [ref.generate([p], max_tokens=24, **GREEDY)[0].token_ids for p in prompts]
+    kw = offload_kwargs(folder, device_pages=10, host_pages=36)
+    kw["max_batch_size"] = 4
+    kw["kv_cache_memory"] = M.kv_bytes(folder, 10, PS)
+    gen = fresh_gen(folder, **kw)
+    reqs = [gen.submit(p, max_tokens=24, **GREEDY) for p in prompts]
+    victim = reqs[2]
+    threading.Timer(0.05, victim.cancel).start()
+    for i, r in enumerate(reqs):
+        c = r.result()
+        if i == 2:
+            assert c.finish_reason in ("cancelled", "length")
+            continue
+        assert c.token_ids == want[i]
+    st = idle(gen)
+    assert st["preemptions"] > 0
+    assert st["free_pages"] == st["total_pages"]
+
+
+def test_offload_arguments(build):
+    import qwen_rt
+
+    folder = build("qwen3_gqa2_tied")
+    with pytest.raises(TypeError, match="kv_offload_memory"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_offload_memory=1.5))
+    with pytest.raises(ValueError, match="host memory available"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_offload_memory=2**62))
+    with pytest.raises(ValueError, match="one step writes"):  # 4 device pages cannot hold a step's 6
+        qwen_rt.Generator(str(folder), **offload_kwargs(folder, device_pages=4, host_pages=20))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,dtype", [("qwen3_hd64_gqa4", "float32"), ("qwen35_hd256", "float32"),
+                                        ("qwen3_hd128_gqa2", "bfloat16")])
+def test_cuda_host_tier_equals_the_device_pool(build, fresh_gen, name, dtype):
+    """On the GPU: pages in pinned host memory, read in place by the attention kernels (decode and prefill), give
+    the output of a device pool that holds everything; with sparse attention too."""
+    import qwen_rt
+    from qwen_rt import _core
+
+    if _core.cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or the CUDA plugin is missing)")
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=15, lengths=[300, 120], max_new=10)
+    base = dict(device="cuda", dtype=dtype, page_size=16, max_num_batched_tokens=64, max_batch_size=2,
+                max_model_len=400)
+    for sparse in (None, qwen_rt.SparseAttention(budget_tokens=96, sink_tokens=16, window_tokens=32)):
+        ref = fresh_gen(folder, sparse_attention=sparse, **base)
+        dev_bytes = M.kv_bytes(folder, 1, 1) * (8 * (16 + (1 if sparse else 0)) + (60 if sparse else 0))
+        gen = fresh_gen(folder, sparse_attention=sparse, kv_cache_memory=dev_bytes,
+                        kv_offload_memory=M.kv_bytes(folder, 60, 16), **base)
+        want = ref.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
+        got = gen.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want):
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert max(abs(a[k] - b[k]) for k in a) < (1e-5 if dtype == "float32" else 2e-2)
+        st = gen.stats()
+        assert st["device_pages"] == 8 and st["kv_bytes_to_host"] > 0
