@@ -80,19 +80,23 @@ def test_sparse_attention_over_both_tiers(build, fresh_gen):
 
 
 def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, idle):
-    """Four long requests through a pool of 40 pages in all (preemption), one cancelled mid-way: the others give
-    the output they give alone, and every page is free at the end."""
+    """Short prompts growing long outputs through a pool of 20 pages (10 on the device): requests are preempted and
+    recompute, one is cancelled mid-way; the others give the output they give alone, and every page is free at the
+    end."""
+    import numpy as np
+
     folder = build("qwen3_gqa2_tied")
-    prompts = M.pick_prompts(folder, seed=14, lengths=[60, 70, 50, 65], max_new=24)
+    info = M.model_info(folder)
+    rng = np.random.default_rng(14)
+    prompts = [M.random_prompt(rng, int(rng.integers(8, 13)), info["vocab_size"], info["specials"]) for _ in range(5)]
     ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400)
-    want = [ref.generate([p], max_tokens=24, **GREEDY)[0].token_ids for p in prompts]
-    kw = offload_kwargs(folder, device_pages=10, host_pages=36)
-    kw["max_batch_size"] = 4
-    kw["kv_cache_memory"] = M.kv_bytes(folder, 10, PS)
+    want = [ref.generate([p], max_tokens=40, **GREEDY)[0].token_ids for p in prompts]
+    kw = offload_kwargs(folder, device_pages=10, host_pages=18)
+    kw["max_batch_size"] = 4  # a step's pages: 16 / 4 + 4 = 8
     gen = fresh_gen(folder, **kw)
-    reqs = [gen.submit(p, max_tokens=24, **GREEDY) for p in prompts]
-    victim = reqs[2]
-    threading.Timer(0.05, victim.cancel).start()
+    assert gen.stats()["total_pages"] == 20
+    reqs = [gen.submit(p, max_tokens=40, **GREEDY) for p in prompts]
+    threading.Timer(0.05, reqs[2].cancel).start()
     for i, r in enumerate(reqs):
         c = r.result()
         if i == 2:
