@@ -42,7 +42,8 @@ base_kwargs = M.base_kwargs
 def build(tmp_path_factory):
     """build(name) -> folder of fixture config `name` (built once); "<name>+legacy" gives the same
     weights with a pre-transformers-5 config.json (top-level rope_theta + rope_scaling), "<name>+notok" the
-    same model without tokenizer.json, "<name>+multimodal" a Qwen3.5 model in Qwen's multimodal layout."""
+    same model without tokenizer.json, "<name>+multimodal" a Qwen3.5 model in Qwen's multimodal layout,
+    "<name>+mtp_random" / "<name>+mtp_echo" a Qwen3.5 model with an MTP head (models.add_mtp)."""
     cache: dict[str, Path] = {}
     lock = threading.Lock()
 
@@ -60,6 +61,8 @@ def build(tmp_path_factory):
                     (dst / "tokenizer.json").unlink()
                 elif variant == "multimodal":  # a Qwen3.5 model in Qwen's Qwen3_5ForConditionalGeneration layout
                     M.to_multimodal_layout(dst)
+                elif variant in ("mtp_random", "mtp_echo"):  # a Qwen3.5 model with an MTP head (models.add_mtp)
+                    M.add_mtp(dst, variant[4:])
                 else:
                     raise KeyError(name)
                 cache[name] = dst

@@ -281,6 +281,42 @@ def to_multimodal_layout(folder: Path) -> None:
     save_state(folder, out)
 
 
+def add_mtp(folder: Path, mode: str, seed: int = 77) -> None:
+    """Gives a Qwen3.5 folder a multi-token-prediction head (mtp.*, config mtp_num_hidden_layers 1), as Qwen's
+    checkpoints carry one: fc [H, 2H] over [pre_fc_norm_embedding(embed(token)) | pre_fc_norm_hidden(hidden)], a
+    full-attention decoder layer, a norm. mode "random": random weights (its drafts are rarely right). mode "echo":
+    the head predicts what the model would if its layers added nothing (fc takes the embedding half, the layer adds
+    zero, the norm is the model's final one), and the model's layer outputs are scaled down to 0.001, so that its
+    drafts are mostly, not always, right."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    H = cfg["hidden_size"]
+    state = load_state(folder)
+    attn = next(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    src = f"model.layers.{attn}."
+    for k in [k for k in state if k.startswith(src)]:
+        v = state[k]
+        state["mtp.layers.0." + k[len(src):]] = (1.0 + 0.25 * torch.randn(v.shape, generator=g)
+                                                 if k.endswith("norm.weight") or "layernorm" in k
+                                                 else 0.15 * torch.randn(v.shape, generator=g))
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        state[f"mtp.{n}.weight"] = 0.25 * torch.randn(H, generator=g)  # zero-centred: gains 1 + w
+    state["mtp.fc.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
+    if mode == "echo":
+        for k in list(state):
+            if k.startswith("model.") and re.search(r"(o_proj|down_proj|out_proj)\.weight$", k):
+                state[k] = 0.001 * state[k]
+        state["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1)
+        state["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+        for k in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            state["mtp.layers.0." + k] = torch.zeros_like(state["mtp.layers.0." + k])
+        state["mtp.norm.weight"] = state["model.norm.weight"].clone()
+    elif mode != "random":
+        raise ValueError(mode)
+    save_state(folder, state)
+    edit_json(Path(folder) / "config.json", lambda c: dict(c, mtp_num_hidden_layers=1))
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 checkpoints (as Qwen's -FP8 releases and compressed-tensors "FP8 dynamic" lay them out)
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ struct AttnBatch {
   int max_q_len = 0;    // host-side maxima, for launch shapes
   int max_ctx_len = 0;
   const int32_t* slots = nullptr;       // [num_seqs] state slot of each sequence (models with DeltaNet layers)
+  // DeltaNet ops, speculative verification: where non-null and keep[s] >= 0, the state after each row r of sequence
+  // s but its last also goes to slot keep[s] + r (the state to roll back to when the tokens after r are rejected).
+  const int32_t* keep = nullptr;        // [num_seqs]
   // Attention only: each (sequence, kv head) has a page list of its own (select_pages' output): page_table is
   // [num_seqs, kv_heads, max_pages] and ctx_len [num_seqs, kv_heads], the keys of that list; a query row's causal
   // mask counts within it. (The rows' positions are unchanged: RoPE is in the cached keys.)

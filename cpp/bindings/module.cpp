@@ -37,6 +37,7 @@ NB_MODULE(_core, m) {
       .def_rw("zero_centred_norms", &ModelConfig::zero_centred_norms)
       .def_rw("attn_output_gate", &ModelConfig::attn_output_gate)
       .def_rw("layer_types", &ModelConfig::layer_types)
+      .def_rw("mtp_layers", &ModelConfig::mtp_layers)
       .def_rw("linear_k_heads", &ModelConfig::linear_k_heads)
       .def_rw("linear_v_heads", &ModelConfig::linear_v_heads)
       .def_rw("linear_k_dim", &ModelConfig::linear_k_dim)
@@ -91,7 +92,9 @@ NB_MODULE(_core, m) {
       .def_rw("check_weights", &EngineOptions::check_weights)
       .def_rw("sparse_budget_tokens", &EngineOptions::sparse_budget_tokens)
       .def_rw("sparse_sink_tokens", &EngineOptions::sparse_sink_tokens)
-      .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens);
+      .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens)
+      .def_rw("speculative_tokens", &EngineOptions::speculative_tokens)
+      .def_rw("speculative_max_batch", &EngineOptions::speculative_max_batch);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
       .def(nb::init<>())
@@ -108,7 +111,8 @@ NB_MODULE(_core, m) {
       .def_rw("logprobs", &SamplingOptions::logprobs)
       .def_rw("ignore_eos", &SamplingOptions::ignore_eos)
       .def_rw("stop_token_ids", &SamplingOptions::stop_token_ids)
-      .def_rw("eos_token_ids", &SamplingOptions::eos_token_ids);
+      .def_rw("eos_token_ids", &SamplingOptions::eos_token_ids)
+      .def_rw("speculative", &SamplingOptions::speculative);
 
   nb::class_<RequestOutput>(m, "RequestOutput")
       .def_ro("tokens", &RequestOutput::tokens)
@@ -176,6 +180,9 @@ NB_MODULE(_core, m) {
         d["pages_on_host"] = s.pages_on_host;
         d["kv_bytes_to_host"] = s.kv_bytes_to_host;
         d["kv_bytes_to_device"] = s.kv_bytes_to_device;
+        d["spec_drafted"] = s.spec_drafted;
+        d["spec_accepted"] = s.spec_accepted;
+        d["spec_accepted_at"] = s.spec_accepted_at;
         return d;
       });
 

@@ -165,6 +165,10 @@ struct Engine::Impl {
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<TierMap> tiers;  // with a host tier (kv_offload_memory)
   // The most pages one step writes: its tokens' pages, and one more per sequence that starts inside a page.
+  // State models with speculation: the states verification keeps to roll back to (StateCache, after the snapshots).
+  int kept_states() const { return opt.speculative_tokens * opt.speculative_max_batch; }
+  // Rows of a step that sample: one per sequence, and one per draft token.
+  int logit_rows() const { return opt.max_batch_size + opt.speculative_tokens * opt.speculative_max_batch; }
   int64_t step_pages() const {
     return (int64_t(opt.max_num_batched_tokens) + opt.page_size - 1) / opt.page_size + opt.max_batch_size;
   }
@@ -266,6 +270,11 @@ struct Engine::Impl {
   std::unique_ptr<Flight> launch(Plan plan);
   void complete(std::unique_ptr<Flight> f);
   void publish_token(Request& r, const SampleResult& res, int row);
+  // The sampling parameters of q's next token, or (ahead > 0) of the one `ahead` tokens after it (speculation).
+  SampleRow sample_row(const Request& q, int ahead, bool& needs_tokens) const;
+  // Speculation, after plan's step: the MTP head's passes give each running request of it that decodes next its
+  // draft (Request::draft); the first pass also writes the MTP layer's K/V of every position the step confirmed.
+  void draft(const Plan& plan);
   // The request's end in its channel (under mu).
   void end_channel(const Request& r, Finish f, const std::string& error = "");
   // A request out of the scheduler, kept until the step in flight is done (loop thread, or the loop stopped).
@@ -304,6 +313,16 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                 "page_size must be a power of two");
   QRT_CHECK_ARG(opt.state_snapshots >= 0, "state_snapshots must be >= 0");
   QRT_CHECK_ARG(opt.kv_offload_memory >= 0, "kv_offload_memory must be >= 0 bytes");
+  QRT_CHECK_ARG(opt.speculative_tokens >= 0 && opt.speculative_tokens <= 8, "speculative_tokens must be in [0, 8], got ",
+                opt.speculative_tokens);
+  QRT_CHECK_ARG(opt.speculative_max_batch >= 1, "speculative_max_batch must be >= 1");
+  opt.speculative_max_batch = std::min(opt.speculative_max_batch, opt.max_batch_size);
+  if (opt.speculative_tokens == 0) {
+    cfg.mtp_layers = 0;  // the head is loaded for speculation only
+  } else {
+    QRT_CHECK_ARG(cfg.mtp_layers > 0, "speculative_tokens needs the checkpoint's multi-token-prediction head (mtp.*); ",
+                  "this model has none (config.json: mtp_num_hidden_layers)");
+  }
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
@@ -367,28 +386,29 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   lim.max_positions = opt.max_model_len;
   lim.graphs = opt.cuda_graphs;
   lim.sparse = sparse;
+  lim.max_logit_rows = logit_rows();
   on_ranks([&](int r, Rank& rk) {
     WeightSpec ws{files.get(), opt.seed, wdt};
     rk.model = std::make_unique<QwenModel>(cfg, *rk.be, *rk.comm, ws, lim, r == 0 ? progress : Progress());
   }, kNoLimit);
   // Rank 0 samples: its scratch for a full batch is taken before the pool is sized.
-  ranks[0].be->reserve_sampling(opt.max_batch_size, cfg.vocab_size);
+  ranks[0].be->reserve_sampling(logit_rows(), cfg.vocab_size);
   // DeltaNet state, one per slot (and the scratch slot), before the KV pool takes what memory is left.
   const int delta_layers = cfg.num_delta_net_layers();
   size_t state_bytes = 0;
   if (delta_layers > 0) {
     on_ranks([&](int, Rank& rk) {
-      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, opt.state_snapshots,
+      rk.state = std::make_unique<StateCache>(*rk.be, delta_layers, opt.max_batch_size, opt.state_snapshots, kept_states(),
                                               rk.model->delta_net_shape(), rk.be->act_dtype());
       rk.be->synchronize();
     }, kNoLimit);
     const Rank& r0 = ranks[0];
     state_bytes = StateCache::bytes_per_slot(delta_layers, r0.model->delta_net_shape(), r0.be->act_dtype()) *
-                  size_t(opt.max_batch_size + 1 + opt.state_snapshots);
+                  size_t(opt.max_batch_size + 1 + opt.state_snapshots + kept_states());
   }
   // KV pool: the same number of pages on every rank.
   const size_t bpp =
-      KvCache::bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt, lim.sparse.budget_pages > 0);
+      KvCache::bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt, lim.sparse.budget_pages > 0);
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -423,7 +443,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   int64_t host_pages = 0, logical = pages;
   if (opt.kv_offload_memory > 0) {
     QRT_CHECK_ARG(bpp > 0, "kv_offload_memory: this model has no attention layer (no K/V to offload)");
-    const int L = cfg.num_attention_layers(), cols = ranks[0].model->kv_cols();
+    const int L = cfg.num_kv_layers(), cols = ranks[0].model->kv_cols();
     host_pages = opt.kv_offload_memory / int64_t(KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt));
     QRT_CHECK_ARG(host_pages >= 1, "kv_offload_memory (", opt.kv_offload_memory, " bytes) holds no page: one needs ",
                   KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt), " bytes per rank");
@@ -438,7 +458,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(logical < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_attention_layers(), int(pages), int(host_pages), opt.page_size,
+    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_kv_layers(), int(pages), int(host_pages), opt.page_size,
                                       rk.model->kv_cols(), kvdt, sparse.budget_pages > 0);
     rk.be->synchronize();
   }, kNoLimit);
@@ -455,12 +475,15 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.prefix_caching = opt.prefix_caching;
   so.has_state = delta_layers > 0;
   so.state_snapshots = opt.state_snapshots;
+  so.speculative_tokens = opt.speculative_tokens;
+  so.speculative_max_batch = opt.speculative_max_batch;
+  so.kept_slot0 = opt.max_batch_size + 1 + opt.state_snapshots;
   sched = std::make_unique<Scheduler>(so);
   if (tiers) sched->pool().track_drops();
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
   snapshot.kv_host_bytes = host_pages > 0
-      ? KvCache::host_bytes_per_page(cfg.num_attention_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt) *
+      ? KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt) *
             size_t(host_pages) : 0;
   snapshot.device_pages = int(pages);
   snapshot.state_bytes = state_bytes;
@@ -481,10 +504,11 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   sh.page_size = opt.page_size;
   sh.max_pages_per_seq = 0;  // the page table is counted per position below
   sh.sparse = sparse.budget_pages > 0;
+  sh.max_logit_rows = logit_rows();
   const Footprint f = footprint(cfg, sh);
-  const double sampling = cuda ? double(opt.max_batch_size) * cfg.vocab_size * 4 : 0;  // reserve_sampling
+  const double sampling = cuda ? double(logit_rows()) * cfg.vocab_size * 4 : 0;  // reserve_sampling
   // Every slot's state, the scratch slot's and the snapshots'.
-  const double state = double(opt.max_batch_size + 1 + opt.state_snapshots) * f.state_slot;
+  const double state = double(opt.max_batch_size + 1 + opt.state_snapshots + kept_states()) * f.state_slot;
   const double fixed = f.weights + f.workspace + sampling + state;
   const double per_position =
       f.rope_position + (double(opt.max_batch_size) * 4 + f.select_page) / opt.page_size;
@@ -629,7 +653,9 @@ void Engine::Impl::step() {
     const char* e = std::getenv("QWEN_RT_OVERLAP");
     return !(e && std::string(e) == "0");
   }();
-  if (launched && (ranks.size() > 1 || launched->needs_tokens || !overlap)) complete(std::move(launched));
+  // Speculation drafts from the step's tokens before the next is planned.
+  if (launched && (ranks.size() > 1 || launched->needs_tokens || !overlap || opt.speculative_tokens > 0))
+    complete(std::move(launched));
   Plan plan = sched->plan();
   std::unique_ptr<Flight> before = std::move(launched);
   if (!plan.empty()) launched = launch(std::move(plan));
@@ -647,7 +673,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   if (tiers) {
     framed = p.input;
     moves = tiers->prepare(framed, sched->pool().take_dropped(), opt.page_size);
-    const size_t page_bytes = KvCache::host_bytes_per_page(cfg.num_attention_layers(), opt.page_size,
+    const size_t page_bytes = KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size,
                                                            ranks[0].model->kv_cols(), ranks[0].be->kv_dtype());
     std::lock_guard<std::mutex> lk(mu);
     snapshot.kv_bytes_to_host += int64_t(moves.out.size() * page_bytes);
@@ -679,40 +705,11 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
       snapshot.sparse_pages_held += (ctx + opt.page_size - 1) / opt.page_size;
     }
   }
-  // Sampling parameters of the sequences that reached their end.
+  // Sampling parameters of the sequences that reached their end: a row each, and one per draft token (the draws of
+  // the tokens after it: each row samples the token the request would sample there without speculation).
   std::vector<SampleRow> rows;
   for (const auto& s : p.seqs) {
-    if (!s.sample) continue;
-    const Request& q = *s.req;
-    const SamplingOptions& o = q.opts;
-    SampleRow row;
-    row.temperature = o.temperature;
-    row.top_k = o.top_k;
-    row.top_p = o.top_p;
-    row.min_p = o.min_p;
-    row.repetition_penalty = o.repetition_penalty;
-    row.presence_penalty = o.presence_penalty;
-    row.frequency_penalty = o.frequency_penalty;
-    row.seed = q.seed;
-    row.draw = int64_t(q.output.size());
-    row.num_logprobs = o.logprobs;
-    const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
-    f->needs_tokens = f->needs_tokens || penalties;
-    if (o.repetition_penalty != 1.0f) {
-      std::set<int32_t> seen(q.prompt.begin(), q.prompt.end());
-      seen.insert(q.output.begin(), q.output.end());
-      row.seen_tokens.assign(seen.begin(), seen.end());
-    }
-    if (o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f)
-      for (auto [t, c] : q.output_counts) {
-        row.output_tokens.push_back(t);
-        row.output_counts.push_back(c);
-      }
-    if (int(q.output.size()) < o.min_tokens) {
-      row.banned_tokens = o.stop_token_ids;
-      if (!o.ignore_eos) row.banned_tokens.insert(row.banned_tokens.end(), o.eos_token_ids.begin(), o.eos_token_ids.end());
-    }
-    rows.push_back(std::move(row));
+    for (int i = 0; i < s.rows(); ++i) rows.push_back(sample_row(*s.req, i, f->needs_tokens));
   }
   if (!rows.empty()) {
     ranks[0].be->sample_start(logits, rows);
@@ -722,27 +719,194 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   return f;
 }
 
+SampleRow Engine::Impl::sample_row(const Request& q, int ahead, bool& needs_tokens) const {
+  const SamplingOptions& o = q.opts;
+  SampleRow row;
+  row.temperature = o.temperature;
+  row.top_k = o.top_k;
+  row.top_p = o.top_p;
+  row.min_p = o.min_p;
+  row.repetition_penalty = o.repetition_penalty;
+  row.presence_penalty = o.presence_penalty;
+  row.frequency_penalty = o.frequency_penalty;
+  row.seed = q.seed;
+  row.draw = int64_t(q.output.size()) + ahead;
+  row.num_logprobs = o.logprobs;
+  const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
+  needs_tokens = needs_tokens || penalties;
+  if (o.repetition_penalty != 1.0f) {
+    std::set<int32_t> seen(q.prompt.begin(), q.prompt.end());
+    seen.insert(q.output.begin(), q.output.end());
+    row.seen_tokens.assign(seen.begin(), seen.end());
+  }
+  if (o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f)
+    for (auto [t, c] : q.output_counts) {
+      row.output_tokens.push_back(t);
+      row.output_counts.push_back(c);
+    }
+  if (int(q.output.size()) + ahead < o.min_tokens) {
+    row.banned_tokens = o.stop_token_ids;
+    if (!o.ignore_eos) row.banned_tokens.insert(row.banned_tokens.end(), o.eos_token_ids.begin(), o.eos_token_ids.end());
+  }
+  return row;
+}
+
 void Engine::Impl::complete(std::unique_ptr<Flight> f) {
   SampleResult res;
   if (f->sampled) ranks[0].be->sample_finish(res, opt.comm_timeout_s);
-  std::lock_guard<std::mutex> lk(mu);
-  int ri = 0;
-  for (const auto& s : f->plan.seqs) {
-    if (!s.sample) continue;
-    const int row = ri++;
-    Request& q = *s.req;
-    if (q.finished) continue;  // cancelled (or failed) while the step ran
-    if (std::isnan(res.logprobs[row])) {  // the sampler's sign of non-finite logits (ops.h): this request only
-      finish(sched->remove(&q), Finish::Error, kNonFiniteLogits);
-      continue;
+  std::vector<std::pair<int, int>> rollbacks;  // (kept state slot, request slot): drafts rejected after a row
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    int ri = 0;
+    for (const auto& s : f->plan.seqs) {
+      if (!s.sample) continue;
+      const int row = ri;
+      ri += s.rows();
+      Request& q = *s.req;
+      if (q.finished) continue;  // cancelled (or failed) while the step ran
+      // The draft tokens that equal the samples before them stand (the samples are those of a run without them),
+      // then the first sample that differs from the draft (or follows all of it).
+      int n = 0;
+      while (n < int(s.draft.size()) && s.draft[size_t(n)] == res.tokens[size_t(row + n)]) ++n;
+      bool finite = true;
+      for (int i = 0; i <= n; ++i) finite = finite && !std::isnan(res.logprobs[size_t(row + i)]);
+      if (!finite) {  // the sampler's sign of non-finite logits (ops.h): this request only
+        finish(sched->remove(&q), Finish::Error, kNonFiniteLogits);
+        continue;
+      }
+      Finish fin;
+      int taken = 1;
+      if (s.draft.empty()) {
+        fin = sched->sampled(s, row, res.tokens[size_t(row)]);
+      } else {
+        fin = sched->accepted(s, std::vector<int32_t>(res.tokens.begin() + row, res.tokens.begin() + row + n + 1),
+                              &taken);
+        snapshot.spec_drafted += int64_t(s.draft.size());
+        snapshot.spec_accepted += n;
+        snapshot.spec_accepted_at.resize(size_t(opt.speculative_tokens), 0);
+        for (int i = 0; i < n; ++i) snapshot.spec_accepted_at[size_t(i)]++;
+        if (fin == Finish::None && n < int(s.draft.size()) && s.keep >= 0) rollbacks.emplace_back(s.keep + n, q.slot);
+      }
+      for (int i = 0; i < taken; ++i) publish_token(q, res, row + i);
+      if (fin != Finish::None) finish(sched->remove(&q), fin);
     }
-    const Finish fin = sched->sampled(s, row, res.tokens[row]);
-    publish_token(q, res, row);
-    if (fin != Finish::None) finish(sched->remove(&q), fin);
+    snapshot.steps++;
+    update_snapshot();
   }
-  snapshot.steps++;
-  update_snapshot();
   out_cv.notify_all();
+  if (!rollbacks.empty())  // state models: each slot back to the state after its last confirmed row
+    on_ranks([&](int, Rank& rk) {
+      for (auto [from, to] : rollbacks) rk.state->copy_slot(from, to);
+    });
+  if (opt.speculative_tokens > 0) draft(f->plan);
+}
+
+void Engine::Impl::draft(const Plan& plan) {
+  const int k = opt.speculative_tokens, ps = opt.page_size;
+  // One pass over `in` on every rank (its pages as frames with a host tier), then each logit row's greedy token.
+  auto pass = [&](StepInput& in, const std::vector<int32_t>& hidden, bool from_draft) {
+    PageMoves moves;
+    if (tiers) moves = tiers->prepare(in, sched->pool().take_dropped(), ps);
+    Tensor logits;
+    on_ranks([&](int r, Rank& rk) {
+      if (!moves.empty()) rk.kv->move(moves);
+      Tensor l = rk.model->draft(in, hidden, from_draft, *rk.kv);
+      if (r == 0) logits = l;
+    });
+    SampleResult res;
+    if (!in.logit_rows.empty()) {
+      std::vector<SampleRow> rows(in.logit_rows.size());
+      for (SampleRow& row : rows) row.temperature = 0;  // greedy
+      ranks[0].be->sample(logits, rows, res);
+    }
+    return res.tokens;
+  };
+  auto add_seq = [&](StepInput& in, const Request& q, int first, int n) {
+    const std::vector<int>& pages = sched->pages(q);
+    for (int pos = first; pos < first + n; ++pos) {
+      in.tokens.push_back(q.length() > pos + 1 ? q.token_at(pos + 1) : 0);
+      in.token_src.push_back(-1);
+      in.positions.push_back(pos);
+      in.kv_rows.push_back(pages[size_t(pos / ps)] * ps + pos % ps);
+    }
+    in.q_start.push_back(int32_t(in.tokens.size()));
+    in.ctx_len.push_back(first + n);
+    in.max_q_len = std::max(in.max_q_len, n);
+    in.max_ctx_len = std::max(in.max_ctx_len, first + n);
+    in.max_pages = std::max(in.max_pages, (first + n + ps - 1) / ps);
+  };
+  auto page_tables = [&](StepInput& in, const std::vector<const Request*>& seqs) {
+    for (const Request* q : seqs) {
+      const std::vector<int>& pages = sched->pages(*q);
+      for (int j = 0; j < in.max_pages; ++j) in.page_table.push_back(j < int(pages.size()) ? pages[size_t(j)] : 0);
+    }
+  };
+  // Pass 1: every position the step confirmed (its K/V stand), with the token that follows it and its hidden
+  // state; a request that decodes next drafts from its last one.
+  struct Drafter {
+    Request* req;
+    int row;  // its row in the last pass
+    int pos;  // that row's position
+    int want; // draft tokens it can feed next step
+  };
+  std::vector<Drafter> drafters;
+  StepInput in;
+  std::vector<int32_t> hidden;
+  std::vector<const Request*> seqs;
+  in.q_start.push_back(0);
+  int step_row = 0;
+  for (const auto& s : plan.seqs) {
+    const int row0 = step_row;
+    step_row += s.count;
+    Request& q = *s.req;
+    if (q.finished || q.slot < 0) continue;
+    const int confirmed = q.computed - s.first;
+    if (confirmed <= 0) continue;
+    add_seq(in, q, s.first, confirmed);
+    seqs.push_back(&q);
+    for (int j = 0; j < confirmed; ++j) hidden.push_back(row0 + j);
+    const SamplingOptions& o = q.opts;
+    const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
+    const int room = std::min(o.max_tokens - int(q.output.size()), opt.max_model_len - q.length()) - 1;
+    if (q.computed != q.length() - 1 || !o.speculative || penalties || room < 1 ||
+        int(drafters.size()) >= opt.speculative_max_batch)
+      continue;
+    // Pages for the positions the drafts' passes and the next step write.
+    int want = std::min(k, room);
+    while (want > 0 && !sched->grow(q, q.length() + want)) --want;
+    if (want == 0) continue;
+    in.logit_rows.push_back(int32_t(in.tokens.size()) - 1);
+    drafters.push_back({&q, int(in.tokens.size()) - 1, q.computed - 1, want});
+  }
+  if (in.tokens.empty()) return;
+  page_tables(in, seqs);
+  std::vector<int32_t> tokens = pass(in, hidden, false);
+  for (size_t i = 0; i < drafters.size(); ++i) drafters[i].req->draft = {tokens[i]};
+  // Passes 2..k: each drafter's next position, from its last draft token and the pass's own hidden state there.
+  for (int j = 2; j <= k; ++j) {
+    StepInput next;
+    std::vector<int32_t> rows;
+    std::vector<const Request*> next_seqs;
+    std::vector<Drafter*> active;
+    next.q_start.push_back(0);
+    for (Drafter& d : drafters) {
+      if (d.want < j) continue;
+      Request& q = *d.req;
+      const int pos = d.pos + 1;
+      add_seq(next, q, pos, 1);
+      next.tokens.back() = q.draft.back();
+      next.logit_rows.push_back(int32_t(next.tokens.size()) - 1);
+      rows.push_back(d.row);
+      next_seqs.push_back(&q);
+      d.row = int(next.tokens.size()) - 1;
+      d.pos = pos;
+      active.push_back(&d);
+    }
+    if (active.empty()) break;
+    page_tables(next, next_seqs);
+    tokens = pass(next, rows, true);
+    for (size_t i = 0; i < active.size(); ++i) active[i]->req->draft.push_back(tokens[i]);
+  }
 }
 
 Engine::Engine(const ModelConfig& cfg, const std::vector<TensorSource>& tensors, const EngineOptions& opts,

@@ -38,6 +38,10 @@ struct EngineOptions {
   int sparse_budget_tokens = 0;    // 0: off
   int sparse_sink_tokens = 0;
   int sparse_window_tokens = 0;    // at least one page (the current one)
+  // Speculative decoding with the checkpoint's MTP head: draft tokens per step (0: off), and the most sequences of a
+  // step that feed drafts (more decoding ones than that: the rest decode plainly).
+  int speculative_tokens = 0;
+  int speculative_max_batch = 8;
 };
 
 struct EngineStats {
@@ -55,6 +59,9 @@ struct EngineStats {
   size_t kv_host_bytes = 0;
   int device_pages = 0, pages_on_device = 0, pages_on_host = 0;
   int64_t kv_bytes_to_host = 0, kv_bytes_to_device = 0;
+  // Speculation: draft tokens fed, those the samples confirmed, and confirmed by position in the draft.
+  int64_t spec_drafted = 0, spec_accepted = 0;
+  std::vector<int64_t> spec_accepted_at;
 };
 
 class Engine {

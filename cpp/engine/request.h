@@ -22,6 +22,7 @@ struct SamplingOptions {
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;
   std::vector<int32_t> eos_token_ids;
+  bool speculative = true;      // drafts from the MTP head when the engine speculates (and no penalty is set)
 };
 
 enum class Finish { None, Stop, Length, Cancelled, Error };
@@ -62,6 +63,7 @@ struct Request {
   int pending_row = -1;     // row of the in-flight step's sampling that gives output.back() (when kPending)
   bool finishing = false;   // the pending token is its last (length limit): nothing more to plan
   bool finished = false;    // finished or cancelled; kept alive only while an in-flight step refers to it
+  std::vector<int32_t> draft;  // speculation: tokens guessed to follow its last one, fed (and verified) next step
 
   int length() const { return int(prompt.size() + output.size()); }
   int32_t token_at(int i) const { return i < int(prompt.size()) ? prompt[i] : output[i - prompt.size()]; }

@@ -131,22 +131,43 @@ void Scheduler::launched(Plan& p) {
   int row = 0;
   for (auto& s : p.seqs) {
     Request& q = *s.req;
-    q.computed = s.first + s.count;
+    q.computed = s.first + s.count;  // with a draft: until accepted() says how much of it stands
     if (!s.sample) continue;
     s.out_index = int(q.output.size());
     q.output.push_back(kPending);
-    q.pending_row = row++;
+    row += s.rows();
+    q.pending_row = row - 1;
     q.finishing = int(q.output.size()) >= q.opts.max_tokens || q.length() >= opt_.max_model_len;
   }
 }
 
 Finish Scheduler::sampled(const PlannedSeq& s, int row, int32_t token) {
   Request& q = *s.req;
-  q.output[size_t(s.out_index)] = token;
-  q.output_counts[token]++;
   if (q.pending_row == row && s.out_index == int(q.output.size()) - 1) q.pending_row = -1;
+  return take_token(q, s.out_index, token);
+}
+
+Finish Scheduler::accepted(const PlannedSeq& s, const std::vector<int32_t>& tokens, int* taken) {
+  Request& q = *s.req;
+  QRT_CHECK(!tokens.empty() && tokens.size() <= 1 + s.draft.size() && s.out_index == int(q.output.size()) - 1,
+            "accepted: tokens do not fit the sequence's draft");
+  q.pending_row = -1;
+  q.computed = s.first + int(tokens.size());  // its last token and the draft tokens the samples confirmed
+  Finish f = Finish::None;
+  int i = 0;
+  for (; i < int(tokens.size()) && f == Finish::None; ++i) {
+    if (i > 0) q.output.push_back(tokens[size_t(i)]);
+    f = take_token(q, s.out_index + i, tokens[size_t(i)]);
+  }
+  *taken = i;
+  return f;
+}
+
+Finish Scheduler::take_token(Request& q, int out_index, int32_t token) {
+  q.output[size_t(out_index)] = token;
+  q.output_counts[token]++;
   const SamplingOptions& o = q.opts;
-  const int produced = s.out_index + 1;
+  const int produced = out_index + 1;
   auto has = [token](const std::vector<int32_t>& v) { return std::find(v.begin(), v.end(), token) != v.end(); };
   if ((has(o.stop_token_ids) || (!o.ignore_eos && has(o.eos_token_ids))) && produced >= o.min_tokens)
     return Finish::Stop;
@@ -179,6 +200,7 @@ Plan Scheduler::plan() {
   snapshots_.ready();  // those the last plan took are written by the time this step runs
   int budget = opt_.max_num_batched_tokens;
   const int ps = opt_.page_size;
+  int drafting = 0;  // sequences of this step that feed a draft
   // Running requests first, oldest first: decodes and unfinished prefills.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i].get();
@@ -187,6 +209,20 @@ Plan Scheduler::plan() {
       continue;
     }
     int n = cut_at_boundary(*r, r->computed, std::min(r->length() - r->computed, budget));
+    // Speculation: a decoding request feeds its draft after its last token, as far as the budget, its limits,
+    // the step's drafting sequences and the free pages allow.
+    std::vector<int32_t> draft = std::move(r->draft);
+    r->draft.clear();
+    const bool decoding = r->length() - r->computed == 1;
+    int d = 0;
+    if (decoding && !draft.empty() && drafting < opt_.speculative_max_batch) {
+      d = std::min({int(draft.size()), budget - 1, r->opts.max_tokens - int(r->output.size()) - 1,
+                    opt_.max_model_len - r->length() - 1});
+      d = std::max(d, 0);
+      if (d > 0 && !ensure_pages(*r, r->computed + 1 + d)) d = 0;
+    }
+    draft.resize(size_t(d));
+    n += d;
     // Tokens that fit in the pages the slot has plus the free ones.
     const int cap = (int(slots_[r->slot].pages.size()) + pool_.free_count()) * ps - r->computed;
     if (cap < n && cap >= 1 && n > 1) n = cap;  // a prefill chunk shrinks to what fits
@@ -203,8 +239,14 @@ Plan Scheduler::plan() {
     }
     // Pages that steps before this one filled: a request admitted below may read them in this step.
     name_pages(*r, r->computed);
-    p.seqs.push_back({r, r->computed, n, r->computed + n == r->length()});
-    p.seqs.back().snapshot = snapshot_after(*r, r->computed, n);
+    p.seqs.push_back({r, r->computed, n, r->computed + n >= r->length()});
+    PlannedSeq& ps_ = p.seqs.back();
+    ps_.snapshot = snapshot_after(*r, r->computed, n);
+    if (d > 0) {
+      ps_.draft = std::move(draft);
+      if (opt_.has_state) ps_.keep = opt_.kept_slot0 + drafting * opt_.speculative_tokens;
+      ++drafting;
+    }
     budget -= n;
     ++i;
   }
@@ -264,8 +306,9 @@ void Scheduler::build_input(Plan& p) {
   in.q_start.push_back(0);
   for (auto& s : p.seqs) {
     const Slot& slot = slots_[s.req->slot];
+    const int len = s.req->length();
     for (int i = s.first; i < s.first + s.count; ++i) {
-      const int32_t t = s.req->token_at(i);
+      const int32_t t = i < len ? s.req->token_at(i) : s.draft[size_t(i - len)];
       in.tokens.push_back(t == kPending ? 0 : t);
       in.token_src.push_back(t == kPending ? s.req->pending_row : -1);
       in.positions.push_back(i);
@@ -275,7 +318,8 @@ void Scheduler::build_input(Plan& p) {
     in.ctx_len.push_back(s.first + s.count);
     in.slots.push_back(s.req->slot);
     for (int j = 0; j < max_pages; ++j) in.page_table.push_back(j < int(slot.pages.size()) ? slot.pages[j] : 0);
-    if (s.sample) in.logit_rows.push_back(int32_t(in.tokens.size()) - 1);
+    for (int r = s.rows(); r > 0; --r) in.logit_rows.push_back(int32_t(in.tokens.size()) - r);
+    if (opt_.speculative_tokens > 0 && opt_.has_state) in.keep.push_back(s.keep);
     in.max_q_len = std::max(in.max_q_len, s.count);
     in.max_ctx_len = std::max(in.max_ctx_len, s.first + s.count);
   }

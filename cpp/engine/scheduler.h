@@ -33,6 +33,12 @@ struct SchedulerOptions {
   bool prefix_caching = true;
   bool has_state = false;   // the model keeps a per-slot recurrent state (DeltaNet layers)
   int state_snapshots = 0;  // snapshots of it kept for prefix hits (has_state; 0: no prefix hits)
+  // Speculation: the most draft tokens a sequence feeds, the most sequences per step that feed them, and (state
+  // models) the first of the state slots where verification keeps the states to roll back to (speculative_tokens
+  // per sequence; ops.h AttnBatch::keep).
+  int speculative_tokens = 0;
+  int speculative_max_batch = 0;
+  int kept_slot0 = 0;
 };
 
 struct PlannedSeq {
@@ -43,6 +49,10 @@ struct PlannedSeq {
   int out_index = -1; // where in req->output the sampled token goes (set when the step is launched)
   int restore = -1;   // state models: the snapshot the slot's state is copied from before the step
   int snapshot = -1;  // state models: the snapshot the slot's state is copied into after the step
+  std::vector<int32_t> draft;  // speculation: the request's draft, fed after its last token (count = 1 + drafts);
+                               // every row samples
+  int keep = -1;      // state models with a draft: the first slot of the states kept after each row but the last
+  int rows() const { return sample ? 1 + int(draft.size()) : 0; }  // sampled rows
 };
 
 struct Plan {
@@ -65,6 +75,15 @@ class Scheduler {
   // Sequence s of a launched plan sampled `token` (its sampling row: row): the token takes its place in the
   // output. Returns how the request ends with it (Finish::None: it goes on; the caller removes it otherwise).
   Finish sampled(const PlannedSeq& s, int row, int32_t token);
+  // Speculation: sequence s of a launched plan, its draft verified: `tokens` (the step's samples up to and with the
+  // first that differs from the draft: at most 1 + drafts) take their places in order, until one ends the request.
+  // Its K/V stand up to the last fed token they confirm. Returns how the request ends (as sampled), and through
+  // *taken how many of the tokens it took.
+  Finish accepted(const PlannedSeq& s, const std::vector<int32_t>& tokens, int* taken);
+  // Speculation: pages for r's first `tokens` tokens, from free ones only (no preemption); false when too few.
+  bool grow(Request& r, int tokens) { return ensure_pages(r, tokens); }
+  // The pages of r's slot (r running).
+  const std::vector<int>& pages(const Request& r) const { return slots_[r.slot].pages; }
   // Removes a running or waiting request (finish or cancel) and frees its slot and pages.
   std::unique_ptr<Request> remove(Request* r);
   bool idle() const { return running_.empty() && waiting_.empty(); }
@@ -98,6 +117,7 @@ class Scheduler {
   int cut_at_boundary(const Request& r, int first, int n) const;
   int snapshot_after(const Request& r, int first, int n);
   void build_input(Plan& p);
+  Finish take_token(Request& q, int out_index, int32_t token);  // token at output[out_index]: how q ends with it
 
   SchedulerOptions opt_;
   PagePool pool_;

@@ -2,9 +2,10 @@
 
 namespace qrt {
 
-StateCache::StateCache(Backend& be, int num_layers, int num_slots, int num_snapshots, const DeltaNetShape& shape,
-                       DType conv_dtype)
-    : be_(be), layers_(num_layers), slots_(num_slots), total_(num_slots + 1 + num_snapshots), shape_(shape),
+StateCache::StateCache(Backend& be, int num_layers, int num_slots, int num_snapshots, int num_kept,
+                       const DeltaNetShape& shape, DType conv_dtype)
+    : be_(be), layers_(num_layers), slots_(num_slots), snapshots_(num_snapshots),
+      total_(num_slots + 1 + num_snapshots + num_kept), shape_(shape),
       conv_dtype_(conv_dtype),
       conv_(&be, conv_bytes(shape, conv_dtype) * size_t(total_) * size_t(num_layers), Buffer::Zeroed{}),
       recurrent_(&be, recurrent_bytes(shape) * size_t(total_) * size_t(num_layers), Buffer::Zeroed{}) {}

@@ -30,6 +30,9 @@ struct ModelConfig {
   int linear_v_dim = 0;
   int linear_conv_kernel = 0;
   int max_position_embeddings = 0;
+  // Multi-token prediction (Qwen3.5's `mtp.*`: fc, one full-attention decoder layer, norms; the model's embedding and
+  // LM head): the layers loaded, for speculative decoding (0: none, or speculation off).
+  int mtp_layers = 0;
   // RoPE, resolved by Python (default or yarn): inverse frequencies for the rotated dims, and the
   // factor cos/sin are multiplied by.
   std::vector<float> rope_inv_freq;  // rot_dim / 2 values
@@ -56,6 +59,7 @@ struct ModelConfig {
     return n;
   }
   int num_attention_layers() const { return num_layers - num_delta_net_layers(); }
+  int num_kv_layers() const { return num_attention_layers() + mtp_layers; }  // the KV cache's: the MTP layer's last
   // Whether the linear module (checkpoint name without ".weight") is stored as FP8.
   bool fp8(const std::string& module) const {
     if (fp8_scales.empty()) return false;

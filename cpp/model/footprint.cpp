@@ -17,6 +17,26 @@ void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(c
   const int64_t qn = int64_t(c.num_q_heads) * D, kn = int64_t(c.num_kv_heads) * D;
   const int64_t conv = 2 * int64_t(c.linear_k_heads) * c.linear_k_dim + int64_t(c.linear_v_heads) * c.linear_v_dim;
   const int64_t Hv = c.linear_v_heads, vn = Hv * c.linear_v_dim;
+  auto attention = [&](const std::string& p) {
+    fn({p + "self_attn.q_proj.weight", qn * (c.attn_output_gate ? 2 : 1), H, true});
+    fn({p + "self_attn.k_proj.weight", kn, H, true});
+    fn({p + "self_attn.v_proj.weight", kn, H, true});
+    if (c.attn_bias) {
+      fn({p + "self_attn.q_proj.bias", 1, qn});
+      fn({p + "self_attn.k_proj.bias", 1, kn});
+      fn({p + "self_attn.v_proj.bias", 1, kn});
+    }
+    if (c.qk_norm) {
+      fn({p + "self_attn.q_norm.weight", 1, D});
+      fn({p + "self_attn.k_norm.weight", 1, D});
+    }
+    fn({p + "self_attn.o_proj.weight", H, qn, true});
+  };
+  auto mlp = [&](const std::string& p) {
+    fn({p + "mlp.gate_proj.weight", I, H, true});
+    fn({p + "mlp.up_proj.weight", I, H, true});
+    fn({p + "mlp.down_proj.weight", H, I, true});
+  };
   fn({pre + "embed_tokens.weight", V, H});
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = pre + "layers." + std::to_string(l) + ".";
@@ -34,26 +54,25 @@ void for_each_checkpoint_tensor(const ModelConfig& c, const std::function<void(c
       fn({a + "norm.weight", 1, c.linear_v_dim});
       fn({a + "out_proj.weight", H, vn, true});
     } else {
-      fn({p + "self_attn.q_proj.weight", qn * (c.attn_output_gate ? 2 : 1), H, true});
-      fn({p + "self_attn.k_proj.weight", kn, H, true});
-      fn({p + "self_attn.v_proj.weight", kn, H, true});
-      if (c.attn_bias) {
-        fn({p + "self_attn.q_proj.bias", 1, qn});
-        fn({p + "self_attn.k_proj.bias", 1, kn});
-        fn({p + "self_attn.v_proj.bias", 1, kn});
-      }
-      if (c.qk_norm) {
-        fn({p + "self_attn.q_norm.weight", 1, D});
-        fn({p + "self_attn.k_norm.weight", 1, D});
-      }
-      fn({p + "self_attn.o_proj.weight", H, qn, true});
+      attention(p);
     }
-    fn({p + "mlp.gate_proj.weight", I, H, true});
-    fn({p + "mlp.up_proj.weight", I, H, true});
-    fn({p + "mlp.down_proj.weight", H, I, true});
+    mlp(p);
   }
   fn({pre + "norm.weight", 1, H});
   if (!c.tie_embeddings) fn({"lm_head.weight", V, H});
+  for (int l = 0; l < c.mtp_layers; ++l) {  // QwenModel::load_mtp
+    if (l == 0) {
+      fn({"mtp.pre_fc_norm_embedding.weight", 1, H});
+      fn({"mtp.pre_fc_norm_hidden.weight", 1, H});
+      fn({"mtp.fc.weight", H, 2 * H, true});
+      fn({"mtp.norm.weight", 1, H});
+    }
+    const std::string p = "mtp.layers." + std::to_string(l) + ".";
+    fn({p + "input_layernorm.weight", 1, H});
+    fn({p + "post_attention_layernorm.weight", 1, H});
+    attention(p);
+    mlp(p);
+  }
 }
 
 Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
@@ -120,21 +139,29 @@ Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
   const double other_attention = double(c.num_layers) - double(listed.size()) - other_delta;
   if (other_delta > 0) weights += other_delta * layer(layers + "?.", true);
   if (other_attention > 0) weights += other_attention * layer(layers + "?.", false);
+  for (int l = 0; l < c.mtp_layers; ++l) {  // QwenModel::load_mtp: fc (replicated), norms, a full-attention layer
+    LinearSpec fc;
+    fc.in = 2 * int64_t(H);
+    fc.add("mtp.fc", int64_t(H), 2 * int64_t(H), 0, int64_t(H));
+    weights += (l == 0 ? bytes(fc) + 3 * H * f32 : 0) + layer("mtp.layers." + std::to_string(l) + ".", false);
+  }
   weights += vocab_pad * H * ws * (c.tie_embeddings ? 1 : 2);  // embedding (and LM head)
   weights += gain(!c.tie_embeddings);                           // the final norm: folds into an untied LM head
   if (any_fold) weights += 2 * H * f32;                          // folding keeps a unit gain and a staging gain
   f.weights = weights;
   // Workspace (QwenModel's constructor).
-  const double T = s.max_tokens, S = s.max_seqs;
+  const double T = s.max_tokens, S = s.max_seqs, LR = std::max(s.max_seqs, s.max_logit_rows);
   double rows = 2 * H + 3 * inter;  // residual, norm output, gate|up, act
   if (c.num_attention_layers()) rows += attn_proj + qn;
   if (c.num_delta_net_layers()) rows += delta_proj + double(d.conv_cols()) + double(d.v_cols());
   f.workspace = (4 * std::max(T, S) + (S + 1) + 2 * S + S * double(s.max_pages_per_seq) + S) * 4  // metadata
-                + T * rows * as + 2 * S * H * as                                                // activations
-                + S * n * vocab_pad * f32 + (nr > 1 ? n * S * vocab_pad * f32 : 0);            // logits
+                + T * rows * as + 2 * LR * H * as                                               // activations
+                + LR * n * vocab_pad * f32 + (nr > 1 ? n * LR * vocab_pad * f32 : 0);          // logits
   f.rope_position = double(c.rot_dim()) * f32;
   // K and V rows of a page, and its two summary rows (KvCache::bytes_per_page).
-  f.kv_page = c.num_attention_layers() * 2 * double(s.page_size + (s.sparse ? 1 : 0)) * kn * double(dtype_size(s.kv));
+  f.kv_page = c.num_kv_layers() * 2 * double(s.page_size + (s.sparse ? 1 : 0)) * kn * double(dtype_size(s.kv));
+  if (c.mtp_layers) f.workspace += T * (2 * H + H) * as;  // the MTP head's input [T, 2H] and hidden rows [T, H]
+  if (c.mtp_layers) f.workspace += T * H * as;           // the final norm's rows (the MTP head's input)
   if (s.sparse && c.num_attention_layers()) {  // scores and page lists [S, kv heads, columns], keys [S, kv heads]
     const double lists = S * double(sh.kv_heads);
     f.select_page = lists * 8;

@@ -40,6 +40,7 @@ struct FootprintShape {
   int max_tokens = 0, max_seqs = 0, max_pages_per_seq = 0;
   int page_size = 16;
   bool sparse = false;       // sparse decode: page summaries in the KV cache, select_pages' scratch
+  int max_logit_rows = 0;    // rows of a step that sample (Limits::max_logit_rows)
 };
 
 Footprint footprint(const ModelConfig& c, const FootprintShape& s);

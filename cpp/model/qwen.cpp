@@ -60,8 +60,8 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
   build_rope_table();
 
   const DType act = be_.act_dtype();
-  const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim;
-  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + 2 * S + int64_t(S) * lim_.max_pages_per_seq + S;
+  const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim, LR = logit_rows();
+  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + 3 * S + int64_t(S) * lim_.max_pages_per_seq + LR;
   meta_ = alloc_tensor(DType::I32, 1, meta);
   residual_ = alloc_tensor(act, T, H);
   ws_full_.h = alloc_tensor(act, T, H);
@@ -83,11 +83,17 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
     sparse_pages_ = alloc_tensor(DType::I32, lists, lim_.max_pages_per_seq);
     sparse_keys_ = alloc_tensor(DType::I32, 1, lists);
   }
-  sel_res_ = alloc_tensor(act, S, H);
-  sel_h_ = alloc_tensor(act, S, H);
-  // Logits: this rank's shard [S, vocab_pad_]; with several ranks, gathered then laid out as [S, n * vocab_pad_].
-  logits_ = alloc_tensor(DType::F32, S, int64_t(n) * vocab_pad_);
-  if (n > 1) logits_gathered_ = alloc_tensor(DType::F32, int64_t(n) * S, vocab_pad_);
+  if (cfg_.mtp_layers) {
+    hidden_ = alloc_tensor(act, T, H);
+    mtp_in_ = alloc_tensor(act, T, 2 * int64_t(H));
+    mtp_hidden_ = alloc_tensor(act, T, H);
+    hidden_rows_ = alloc_tensor(DType::I32, 1, T);
+  }
+  sel_res_ = alloc_tensor(act, LR, H);
+  sel_h_ = alloc_tensor(act, LR, H);
+  // Logits: this rank's shard [LR, vocab_pad_]; with several ranks, gathered then laid out as [LR, n * vocab_pad_].
+  logits_ = alloc_tensor(DType::F32, LR, int64_t(n) * vocab_pad_);
+  if (n > 1) logits_gathered_ = alloc_tensor(DType::F32, int64_t(n) * LR, vocab_pad_);
 }
 
 Tensor QwenModel::alloc_tensor(DType t, int64_t rows, int64_t cols) {
@@ -137,17 +143,41 @@ void QwenModel::load_weights(const Progress& progress) {
     L.input_norm = norm(p + "input_layernorm.weight", mixer_in);
     L.post_norm = norm(p + "post_attention_layernorm.weight", {&L.mlp.gate_up});
   }
-  if (cfg_.tie_embeddings) {  // the LM head is the embedding table: the gain stays in the norm
+  // The LM head is the embedding table (tied), or the final norm's rows are the MTP head's input: the gain stays in
+  // the norm.
+  if (cfg_.tie_embeddings) {
     lm_head_.w = embed_;
-    final_norm_ = norm(pre + "norm.weight", {});
   } else {
     lm_head_.w = load_vocab_shard("lm_head.weight");
-    final_norm_ = norm(pre + "norm.weight", {&lm_head_});
   }
+  final_norm_ = norm(pre + "norm.weight", cfg_.tie_embeddings || cfg_.mtp_layers ? std::vector<Linear*>{}
+                                                                                  : std::vector<Linear*>{&lm_head_});
+  if (cfg_.mtp_layers) load_mtp(ld, norm);
   weight_bytes_ = 0;
   for (const auto& b : storage_) weight_bytes_ += b.bytes();
   be_.synchronize();
   if (progress) progress("loading weights", cfg_.num_layers, cfg_.num_layers);
+}
+
+void QwenModel::load_mtp(WeightLoader& ld,
+                         const std::function<NormGain(const std::string&, const std::vector<Linear*>&)>& norm) {
+  QRT_CHECK_ARG(cfg_.mtp_layers == 1, "an MTP head of ", cfg_.mtp_layers, " layers is not supported (1)");
+  const int64_t H = cfg_.hidden_size;
+  mtp_ = std::make_unique<MtpHead>();
+  mtp_->embedding_norm = norm("mtp.pre_fc_norm_embedding.weight", {});
+  mtp_->hidden_norm = norm("mtp.pre_fc_norm_hidden.weight", {});
+  LinearSpec fc;
+  fc.in = 2 * H;
+  fc.add("mtp.fc", H, 2 * H, 0, H);
+  mtp_->fc = ld.linear(fc);
+  DecoderLayer& L = mtp_->layer;
+  const std::string p = "mtp.layers.0.";
+  L.cache_index = cfg_.num_attention_layers();
+  L.attention.load(ld, p + "self_attn.", cfg_, shard_);
+  L.mlp.load(ld, p + "mlp.", cfg_, shard_);
+  L.input_norm = norm(p + "input_layernorm.weight", {&L.attention.qkv});
+  L.post_norm = norm(p + "post_attention_layernorm.weight", {&L.mlp.gate_up});
+  mtp_->norm = norm("mtp.norm.weight", {});
 }
 
 void QwenModel::build_rope_table() {
@@ -216,6 +246,7 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvC
   // Padded rows (and models without DeltaNet layers) use the scratch slot.
   const int scratch_slot = state ? state->scratch_slot() : 0;
   const size_t o_sl = put(s.slots, SS, [&](int) { return scratch_slot; });
+  const size_t o_keep = s.keep.empty() ? 0 : put(s.keep, SS, [](int) { return -1; });
   QRT_CHECK(int64_t(meta.size()) <= meta_.cols, "step metadata exceeds its buffer");
   be_.upload(meta_.data, meta.data(), meta.size() * 4);
   int32_t* m = meta_.ptr<int32_t>();
@@ -239,12 +270,13 @@ AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvC
   b.max_q_len = s.max_q_len;
   b.max_ctx_len = max_ctx;
   b.slots = m + o_sl;
+  if (!s.keep.empty()) b.keep = m + o_keep;
   return b;
 }
 
 Tensor QwenModel::forward(const StepInput& s, KvCache& kv, StateCache* state, const int32_t* sampled) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
-  QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= lim_.max_seqs &&
+  QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= logit_rows() &&
                 s.max_pages <= lim_.max_pages_per_seq,
             "step exceeds the model's limits");
   QRT_CHECK(cfg_.num_delta_net_layers() == 0 || (state && int(s.slots.size()) == S),
@@ -306,9 +338,20 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
     else L.attention.forward(step, L.input_norm.norm(eps, zc), cfg_, shard_, kv.layer(L.cache_index));
     L.mlp.forward(step, L.post_norm.norm(eps, zc));
   }
+  Tensor sh = sel_h_.row_slice(0, std::max(R, 1));
+  if (mtp_) {  // every row's final-norm state: the MTP head's input
+    Tensor hid = hidden_.row_slice(0, T);
+    be_.rms_norm(res, final_norm_.w, eps, zc, hid);
+    if (R == 0) return;
+    sh = sh.row_slice(0, R);
+    be_.gather_rows(hid, d_logit_rows_, sh);
+    lm_head(sh, R);
+    return;
+  }
   // Only the rows that sample need the final norm and the LM head.
   if (R == 0) return;
-  Tensor sr = sel_res_.row_slice(0, R), sh = sel_h_.row_slice(0, R);
+  Tensor sr = sel_res_.row_slice(0, R);
+  sh = sh.row_slice(0, R);
   be_.gather_rows(res, d_logit_rows_, sr);
   const RmsNorm final_norm = final_norm_.norm(eps, zc);
   if (n == 1) {
@@ -319,12 +362,68 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
   // Vocab-parallel LM head: each rank's [R, vocab_pad_] shard, gathered, then placed side by side.
   Tensor local = logits_gathered_.row_slice(int64_t(comm_.rank()) * R, R);
   be_.norm_linear(sr, final_norm, lm_head_, nullptr, sh, local);
+  gather_logits(R);
+}
+
+void QwenModel::lm_head(const Tensor& rows, int R) {
+  const int n = comm_.size();
+  if (n == 1) {
+    Tensor logits = logits_.row_slice(0, R);
+    be_.linear(rows, lm_head_, nullptr, logits);
+    return;
+  }
+  Tensor local = logits_gathered_.row_slice(int64_t(comm_.rank()) * R, R);
+  be_.linear(rows, lm_head_, nullptr, local);
+  gather_logits(R);
+}
+
+void QwenModel::gather_logits(int R) {
+  const int n = comm_.size();
+  Tensor local = logits_gathered_.row_slice(int64_t(comm_.rank()) * R, R);
   Tensor gathered = logits_gathered_.row_slice(0, int64_t(n) * R);
   comm_.all_gather_rows(local, gathered);
   for (int r = 0; r < n; ++r) {
     Tensor dst = logits_.row_slice(0, R).col_slice(int64_t(r) * vocab_pad_, vocab_pad_);
     be_.convert(gathered.row_slice(int64_t(r) * R, R), dst);
   }
+}
+
+Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_rows, bool from_draft, KvCache& kv) {
+  QRT_CHECK(mtp_, "draft: the model has no MTP head");
+  const int T = s.num_tokens(), R = int(s.logit_rows.size()), n = comm_.size();
+  QRT_CHECK(T > 0 && T <= lim_.max_tokens && R <= logit_rows() && s.num_seqs() <= lim_.max_seqs &&
+                s.max_pages <= lim_.max_pages_per_seq && int(hidden_rows.size()) == T,
+            "draft step exceeds the model's limits");
+  const AttnBatch b = upload_meta(s, nullptr, kv, nullptr, T, s.max_pages, s.max_ctx_len);
+  be_.upload(hidden_rows_.data, hidden_rows.data(), size_t(T) * 4);
+  const int64_t H = cfg_.hidden_size;
+  const float eps = cfg_.rms_eps;
+  const bool zc = cfg_.zero_centred_norms;
+  Tensor res = residual_.row_slice(0, T), in = mtp_in_.row_slice(0, T);
+  Tensor e = in.col_slice(0, H), g = in.col_slice(H, H);
+  be_.embedding(d_tokens_, embed_, res);
+  if (n > 1) comm_.all_reduce_sum(res);
+  be_.rms_norm(res, mtp_->embedding_norm.w, eps, zc, e);
+  Tensor picked = ws_full_.h.row_slice(0, T);
+  be_.gather_rows(from_draft ? mtp_hidden_ : hidden_, hidden_rows_.ptr<int32_t>(), picked);
+  be_.rms_norm(picked, mtp_->hidden_norm.w, eps, zc, g);
+  be_.linear(in, mtp_->fc, nullptr, res);
+  const Workspace& w = ws_full_;
+  auto rows = [T](const Tensor& t) { return t.empty() ? t : t.row_slice(0, T); };
+  LayerStep step{be_, comm_, b, d_positions_, rope_, T, res,
+                 Workspace{rows(w.h), rows(w.qkv), rows(w.attn), rows(w.proj), rows(w.conv), rows(w.core),
+                           rows(w.gate_up), rows(w.act)}};
+  const DecoderLayer& L = mtp_->layer;
+  L.attention.forward(step, L.input_norm.norm(eps, zc), cfg_, shard_, kv.layer(L.cache_index));
+  L.mlp.forward(step, L.post_norm.norm(eps, zc));
+  Tensor out = mtp_hidden_.row_slice(0, T);
+  be_.rms_norm(res, mtp_->norm.w, eps, zc, out);
+  if (R > 0) {
+    Tensor sh = sel_h_.row_slice(0, R);
+    be_.gather_rows(out, d_logit_rows_, sh);
+    lm_head(sh, R);
+  }
+  return logits_view(R);
 }
 
 }  // namespace qrt

@@ -16,6 +16,7 @@ struct StepInput {
   std::vector<int32_t> page_table;  // [S, max_pages]
   std::vector<int32_t> logit_rows;  // [R] rows of the step whose next token is sampled
   std::vector<int32_t> slots;       // [S] each sequence's slot (its DeltaNet state)
+  std::vector<int32_t> keep;        // [S] or empty: where the state after each row is kept (ops.h AttnBatch::keep)
   int max_pages = 0;
   int max_q_len = 0;
   int max_ctx_len = 0;

@@ -8,6 +8,7 @@ Figures:
   prefill   time to first token, prefill tokens/s and MFU for long prompts
   startup   Generator() to first token with the weights in safetensors files on local disk
   longctx   batch-1 decode at long contexts, full attention and sparse (page selection) at several budgets
+  spec      speculative decoding (MTP): step costs against plain decode, tok/s projected at published acceptance
   hf        transformers (sdpa; dynamic cache, static cache, static cache compiled) batch-1 and batch-N
             decode on the same config; with decode, qwen_rt against the fastest of them (end to end)
 """
@@ -296,6 +297,46 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
     return rows
 
 
+# Published acceptance of Qwen's MTP drafts for this architecture, per draft position (the projection's inputs).
+MTP_ACCEPTANCE = (0.885, 0.740)
+
+
+def bench_spec(model: str, batches, ks, prompt_len: int, new_tokens: int, rng) -> list[dict]:
+    """Speculative decoding's costs at each batch: the time of a step that verifies k drafts and drafts k more,
+    against a plain decode step (random weights: drafts are rejected, every step emits one token per request); and
+    tok/s projected at the published acceptance (labelled: measured step time x expected tokens per step)."""
+    rows = []
+    for k in [0] + list(ks):
+        g = _gen(model, max_batch_size=max(batches), max_model_len=prompt_len + new_tokens + 16,
+                 speculative_tokens=k, speculative_max_batch=max(batches))
+        try:
+            for b in batches:
+                ps = _prompts(rng, b, prompt_len, g.config["vocab_size"])
+                kw = dict(ignore_eos=True, temperature=0)
+                g.generate(ps, max_tokens=4, **kw)
+                t = time.perf_counter(); g.generate(ps, max_tokens=1, **kw); t1 = time.perf_counter() - t
+                s0 = g.stats()["steps"]
+                t = time.perf_counter(); g.generate(ps, max_tokens=new_tokens, **kw); tn = time.perf_counter() - t
+                steps = g.stats()["steps"] - s0 - 1
+                step = (tn - t1) / max(steps, 1)
+                expected = 1 + sum(MTP_ACCEPTANCE[:k]) if k <= len(MTP_ACCEPTANCE) else None
+                row = {"model": model, "quantization": QUANT, "batch": b, "speculative_tokens": k,
+                       "step_ms": round(step * 1e3, 3), "measured_tok_s": round(b * new_tokens / tn, 1)}
+                if k == 0:
+                    row["plain_step_ms"] = row["step_ms"]
+                else:
+                    base = next(r for r in rows if r["batch"] == b and r["speculative_tokens"] == 0)
+                    row["step_vs_plain"] = round(step * 1e3 / base["step_ms"], 3)
+                    if expected:
+                        row["projected_tok_s"] = round(b * expected / step, 1)
+                        row["projected_vs_plain"] = round(expected * base["step_ms"] / (step * 1e3), 2)
+                rows.append(row)
+                log(row)
+        finally:
+            g.close()
+    return rows
+
+
 def bench_hf(model: str, batches, prompt_len: int, new_tokens: int, rng, caches=("dynamic", "static")) -> list[dict]:
     """transformers on the same config (random weights), sdpa, dynamic and static cache."""
     torch = _torch()
@@ -396,6 +437,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-model", default="qwen3-8b")
     p.add_argument("--hf-caches", default="dynamic,static,static+compile", help="dynamic, static, static+compile")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
+    p.add_argument("--spec-model", default="qwen3.8-27b")
+    p.add_argument("--spec-batches", default="1,8,32")
+    p.add_argument("--spec-tokens", default="1,2", help="speculative_tokens values besides 0")
     p.add_argument("--longctx-model", default="qwen3.8-27b")
     p.add_argument("--longctx-lengths", default="4096,32768,131072")
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
@@ -446,6 +490,11 @@ def run(args) -> int:
     if "prefill" in parts:
         rec["prefill"] = bench_prefill(args.prefill_model, [int(x) for x in args.prefill_lengths.split(",")], limits, rng)
         print_table(rec["prefill"])
+    if "spec" in parts:
+        rec["spec"] = bench_spec(args.spec_model, [int(x) for x in args.spec_batches.split(",")],
+                                 [int(x) for x in args.spec_tokens.split(",") if x], args.prompt_len,
+                                 max(args.new_tokens, 8), rng)
+        print_table(rec["spec"])
     if "longctx" in parts:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],

@@ -331,7 +331,8 @@ class Generator:
                  comm: str = "auto", comm_timeout: float = 120.0, max_logprobs: int = MAX_LOGPROBS,
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
-                 sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None):
+                 sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
+                 speculative_tokens: int = 0, speculative_max_batch: int = 8):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -344,7 +345,8 @@ class Generator:
         for name, v, lo in (("max_batch_size", max_batch_size, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
                             ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0),
-                            ("state_snapshots", state_snapshots, 0)):
+                            ("state_snapshots", state_snapshots, 0), ("speculative_tokens", speculative_tokens, 0),
+                            ("speculative_max_batch", speculative_max_batch, 1)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
@@ -436,6 +438,8 @@ class Generator:
         opts.prefix_caching = enable_prefix_caching
         opts.state_snapshots = state_snapshots
         opts.check_weights = check_weights
+        opts.speculative_tokens = speculative_tokens
+        opts.speculative_max_batch = speculative_max_batch
         if sparse_attention is not None:
             opts.sparse_budget_tokens = sparse_attention.budget_tokens
             opts.sparse_sink_tokens = sparse_attention.sink_tokens
@@ -593,6 +597,7 @@ class Generator:
         s.min_tokens = int(p.min_tokens)
         s.logprobs = int(p.logprobs or 0)
         s.ignore_eos = bool(p.ignore_eos)
+        s.speculative = bool(p.speculative)
         s.stop_token_ids = list(p.stop_token_ids or [])
         s.eos_token_ids = list(self._eos)
         return s

@@ -55,6 +55,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    speculative: bool = True               # drafts from the MTP head where the Generator speculates (the same tokens)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -135,6 +136,8 @@ class SamplingParams:
                     raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError("ignore_eos must be a bool")
+        if not isinstance(self.speculative, bool):
+            raise TypeError("speculative must be a bool")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -43,6 +43,7 @@ void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const D
       for (int j = 0; j < H; ++j) load_row_f32(hist, j, in.data() + size_t(j) * C);
     for (int i = 0; i < n; ++i) load_row_f32(x, r0 + i, in.data() + size_t(H + i) * C);
     std::vector<float> o(static_cast<size_t>(C));
+    const int keep = b.keep ? b.keep[sq] : -1;
     for (int i = 0; i < n; ++i) {
       for (int64_t c = 0; c < C; ++c) {
         float acc = 0.f;
@@ -50,6 +51,11 @@ void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const D
         o[size_t(c)] = acc * sigmoid(acc);
       }
       store_row_f32(o.data(), out, r0 + i);
+      if (keep >= 0 && i + 1 < n) {  // the history after row i: inputs i + 1 .. i + H of the window
+        Tensor kept(static_cast<char*>(st.conv) + size_t(keep + i) * H * C * dtype_size(st.conv_dtype),
+                    st.conv_dtype, H, C);
+        for (int j = 0; j < H; ++j) store_row_f32(in.data() + size_t(i + 1 + j) * C, kept, j);
+      }
     }
     for (int j = 0; j < H; ++j) store_row_f32(in.data() + size_t(n + j) * C, hist, j);
   });
@@ -93,6 +99,8 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& bt, cons
         }
       float* dst = out.ptr<float>() + r * out.stride + int64_t(h) * dv;
       std::copy(o.begin(), o.end(), dst);
+      if (b.keep && b.keep[sq] >= 0 && i + 1 < n)
+        std::copy(S, S + state_elems, st.recurrent + (size_t(b.keep[sq] + i) * Hv + h) * state_elems);
     }
   });
 }

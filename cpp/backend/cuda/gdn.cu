@@ -65,7 +65,7 @@ constexpr int kConvUnroll = 4;  // tokens whose inputs are loaded together
 template <typename T, int K>
 __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(
     const T* x, int64_t xs, const void* w, DType wt, int64_t ws, void* conv, DType ct, const int32_t* q_start,
-    const int32_t* ctx_len, const int32_t* slots, T* out, int64_t os, int64_t C) {
+    const int32_t* ctx_len, const int32_t* slots, const int32_t* keep, T* out, int64_t os, int64_t C) {
   constexpr int H = K - 1;  // history length
   grid_release();
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -112,6 +112,13 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(
     }
   }
   __syncthreads();  // every read of the old history is done
+  const int kept = keep ? keep[seq] : -1;
+  if (threadIdx.y == 0 && active && kept >= 0) {  // the history after each row but the last (ops.h AttnBatch::keep)
+    for (int i = 0; i + 1 < n; ++i)
+#pragma unroll
+      for (int j = 0; j < H; ++j)
+        store_any(conv, ct, int64_t(kept + i) * H * C + c + int64_t(j) * C, input(i + 1 - H + j));
+  }
   if (threadIdx.y == 0 && active && slot >= 0) {
 #pragma unroll
     for (int j = 0; j < H; ++j) store_any(conv, ct, hist + int64_t(j) * C, last[j]);
@@ -148,7 +155,7 @@ template <typename T, int DK>
 __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
     const T* qkv, int64_t qkv_stride, const void* a, DType at, int64_t as, const void* b, DType bt, int64_t bs,
     const void* a_log, const void* dt_bias, DType wt, const int32_t* q_start, const int32_t* ctx_len,
-    const int32_t* slots, float* state, T* out, int64_t os, int k_heads, int v_heads, int dv) {
+    const int32_t* slots, const int32_t* keep, float* state, T* out, int64_t os, int k_heads, int v_heads, int dv) {
   constexpr int R = DK / kParts;            // state rows per lane
   constexpr int TC = DK >= 32 ? 2048 / DK : 64;  // tokens per round (at most 32 KiB of shared memory)
   constexpr int QK = (DK + 31) / 32;             // q / k elements per lane when staging
@@ -169,6 +176,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
   const int slot = slots[seq];
   const bool fresh = ctx_len[seq] - n == 0 || slot < 0;  // the state starts from zeros
   float* S = state + (int64_t(slot < 0 ? 0 : slot) * v_heads + h) * int64_t(DK) * dv + y;  // S[x][y] at + x * dv
+  const int kept = keep ? keep[seq] : -1;  // the state after each row but the last also goes to kept + row
   float st[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) st[i] = fresh || !active ? 0.f : S[int64_t(part * R + i) * dv];
@@ -233,6 +241,11 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) gated_delta_rule_kernel(
       }
       const float o_sum = column_sum(o);
       if (part == 0 && active) out[(r0 + base + t) * os + int64_t(h) * dv + y] = from_f<T>(o_sum);
+      if (kept >= 0 && active && base + t + 1 < n) {
+        float* K = state + (int64_t(kept + base + t) * v_heads + h) * int64_t(DK) * dv + y;
+#pragma unroll
+        for (int i = 0; i < R; ++i) K[int64_t(part * R + i) * dv] = st[i];
+      }
     }
   }
   if (active && slot >= 0) {
@@ -301,7 +314,7 @@ void launch_causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, 
     using T = decltype(tag);
     auto go = [&](auto kernel) {
       launch_chained(kernel, grid, block, 0, s, x.ptr<T>(), x.stride, w.data, w.dtype, w.stride, st.conv,
-                     st.conv_dtype, b.q_start, b.ctx_len, b.slots, out.ptr<T>(), out.stride, C);
+                     st.conv_dtype, b.q_start, b.ctx_len, b.slots, b.keep, out.ptr<T>(), out.stride, C);
     };
     if (K == 2) go(causal_conv1d_kernel<T, 2>);
     else if (K == 3) go(causal_conv1d_kernel<T, 3>);
@@ -339,7 +352,7 @@ void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b
     auto go = [&](auto kernel) {
       launch_chained(kernel, grid, kDeltaWarps * 32, 0, s, qkv.ptr<T>(), qkv.stride, a.data, a.dtype, a.stride,
                      bt.data, bt.dtype, bt.stride, a_log.data, dt_bias.data, a_log.dtype, b.q_start, b.ctx_len,
-                     b.slots, st.recurrent, out.ptr<T>(), out.stride, hk, hv, dv);
+                     b.slots, b.keep, st.recurrent, out.ptr<T>(), out.stride, hk, hv, dv);
     };
     if (dk == 16) go(gated_delta_rule_kernel<T, 16>);
     else if (dk == 32) go(gated_delta_rule_kernel<T, 32>);
