@@ -1044,7 +1044,7 @@ def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
         ref = np.asarray(cpu.fp8_linear(op, x, q, s, shift, **kw))
         out = np.asarray(h.fp8_linear(op, x, q, s, shift, **kw))
         assert out.shape == ref.shape and rel(out, ref) < TOL[act], (op, kw.keys())
-    if int(gemv_rows) >= m:  # batch invariance: a row alone gives the same bits
+    if int(gemv_rows) >= m and k % 16 == 0:  # the GEMV's rows: batch invariance, a row alone gives the same bits
         out = np.asarray(h.fp8_linear("linear", x, q, s, shift))
         np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[:1], q, s, shift)), out[:1])
 

@@ -119,6 +119,7 @@ def test_cuda_sampler_matches_cpu_for_any_logits():
 # --- non-finite weights and logits ------------------------------------------------------------------------------
 
 UNTIED = "qwen3_mha_untied"  # the LM head is not the embedding: a NaN embedding row poisons only prompts with it
+UNTIED_CUDA = "qwen3_hd64_gqa4"  # the same, in head sizes the CUDA kernels take
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -160,11 +161,12 @@ def test_nonfinite_logits_fail_only_their_request(build, tmp_path, device):
     on."""
     if device == "cuda" and _core.cuda_device_count() == 0:
         pytest.skip("no CUDA device")
-    src = build(UNTIED)
+    name = UNTIED_CUDA if device == "cuda" else UNTIED
+    src = build(name)
     good = M.pick_prompts(src, seed=281, lengths=[9, 12], max_new=8)
     refs = [M.hf_greedy(src, p, 8) for p in good]
     bad_token = next(t for t in range(3, 100) if all(t not in p + r for p, r in zip(good, refs)))
-    f = poisoned(build, tmp_path, UNTIED, lambda st: st["model.embed_tokens.weight"][bad_token].fill_(float("nan")))
+    f = poisoned(build, tmp_path, name, lambda st: st["model.embed_tokens.weight"][bad_token].fill_(float("nan")))
     with qwen_rt.Generator(str(f), **M.base_kwargs(f, max_batch_size=4, device=device), check_weights=False) as g:
         for params in (GREEDY, dict(temperature=0.7, top_k=20, top_p=0.8, ignore_eos=True)):
             reqs = [g.submit(good[0], max_tokens=8, **GREEDY), g.submit([5, bad_token, 6], max_tokens=8, **params),
@@ -209,7 +211,8 @@ def refused_quickly(folder: Path, device: str) -> str:
     assert "refused" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
     msg = p.stdout.split("refused", 1)[1]
     assert float(msg.split()[0]) < 30, msg
-    assert rss < 2 << 30, rss
+    # Nothing of the model's size is taken; the CUDA plugin's own libraries (cuBLAS, NCCL) take ~2 GB on the host.
+    assert rss < (4 << 30 if device == "cuda" else 2 << 30), rss
     return msg
 
 
@@ -236,10 +239,10 @@ def test_check_weights_on_cuda(build, tmp_path):
     if _core.cuda_device_count() == 0:
         pytest.skip("no CUDA device")
     def edit(st):
-        st["model.layers.2.mlp.up_proj.weight"][5, 6] = float("nan")
-    f = poisoned(build, tmp_path, UNTIED, edit)
+        st["model.layers.1.mlp.up_proj.weight"][5, 6] = float("nan")
+    f = poisoned(build, tmp_path, UNTIED_CUDA, edit)
     kw = dict(device="cuda", max_batch_size=2, max_model_len=64, progress=False)
-    with pytest.raises(ValueError, match="tensor 'model.layers.2.mlp.up_proj.weight' holds a NaN or inf"):
+    with pytest.raises(ValueError, match="tensor 'model.layers.1.mlp.up_proj.weight' holds a NaN or inf"):
         qwen_rt.Generator(str(f), **kw)
     with qwen_rt.Generator(str(f), **kw, check_weights=False) as g:
         with pytest.raises(RuntimeError, match="non-finite logits"):

@@ -137,9 +137,10 @@ def test_cuda_host_tier_equals_the_device_pool(build, fresh_gen, name, dtype):
                 max_model_len=400)
     for sparse in (None, qwen_rt.SparseAttention(budget_tokens=96, sink_tokens=16, window_tokens=32)):
         ref = fresh_gen(folder, sparse_attention=sparse, **base)
-        dev_bytes = M.kv_bytes(folder, 1, 1) * (8 * (16 + (1 if sparse else 0)) + (60 if sparse else 0))
+        eb = 4 if dtype == "float32" else 2  # the KV cache holds the activations' dtype
+        dev_bytes = M.kv_bytes(folder, 1, 1, eb) * (8 * (16 + (1 if sparse else 0)) + (60 if sparse else 0))
         gen = fresh_gen(folder, sparse_attention=sparse, kv_cache_memory=dev_bytes,
-                        kv_offload_memory=M.kv_bytes(folder, 60, 16), **base)
+                        kv_offload_memory=M.kv_bytes(folder, 60, 16, eb), **base)
         want = ref.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
         got = gen.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <fstream>
+#include <unistd.h>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -118,14 +120,19 @@ class CpuBackend final : public Backend {
   void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
   void synchronize() override {}
   void memory_info(size_t* free_b, size_t* total_b) override {
+    // Line by line (some lines have no unit); without MemAvailable (old kernels, some containers) the pages the
+    // system reports free.
     std::ifstream f("/proc/meminfo");
-    std::string key;
-    size_t val = 0, avail = 0, total = 0;
-    std::string unit;
-    while (f >> key >> val >> unit) {
-      if (key == "MemAvailable:") avail = val * 1024;
-      if (key == "MemTotal:") total = val * 1024;
+    std::string line;
+    size_t avail = 0, total = 0;
+    while (std::getline(f, line)) {
+      unsigned long long kb = 0;
+      if (std::sscanf(line.c_str(), "MemAvailable: %llu", &kb) == 1) avail = size_t(kb) * 1024;
+      if (std::sscanf(line.c_str(), "MemTotal: %llu", &kb) == 1) total = size_t(kb) * 1024;
     }
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    if (avail == 0) avail = size_t(sysconf(_SC_AVPHYS_PAGES)) * page;
+    if (total == 0) total = size_t(sysconf(_SC_PHYS_PAGES)) * page;
     *free_b = avail;
     *total_b = total;
   }
