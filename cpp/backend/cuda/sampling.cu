@@ -101,21 +101,25 @@ __global__ void __launch_bounds__(kStatThreads) logit_stats_kernel(const float* 
   const int c = blockIdx.x, r = blockIdx.y, tid = threadIdx.x;
   const float* raw = logits + int64_t(r) * stride;
   float v[kStatPer], m = -INFINITY;
+  bool nan = false;
   Cand best{0.f, -1};
 #pragma unroll
   for (int k = 0; k < kStatPer; ++k) {
     const int i = c * kStatChunk + k * kStatThreads + tid;
     v[k] = i < V ? raw[i] : -INFINITY;
     m = fmaxf(m, v[k]);
+    nan = nan || isnan(v[k]);
     const Cand x{v[k], i};
     if (i < V && better(x, best)) best = x;
   }
   float se = 0.f;
   if (m != -INFINITY)
 #pragma unroll
-    for (int k = 0; k < kStatPer; ++k) se += expf(v[k] - m);  // NaN logits make the sum NaN
+    for (int k = 0; k < kStatPer; ++k) se += expf(v[k] - m);
+  // A NaN logit makes the row's sum NaN (fmaxf passes over it: a thread whose values are NaN or -inf alone would
+  // otherwise add nothing).
   const float M = block_reduce<float, MaxOp, NW>(m, MaxOp{});
-  se = m == -INFINITY ? 0.f : se * expf(m - M);
+  se = nan ? NAN : m == -INFINITY ? 0.f : se * expf(m - M);
   const float S = block_reduce<float, SumF, NW>(se, SumF{});
   best = block_best<NW>(best);
   if (tid == 0) stats[int64_t(r) * chunks + c] = ChunkStats{M, S, best.v, best.i};
@@ -374,7 +378,9 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
   Cand best{0.f, -1};
   for (int j = tid; j < chunks; j += kThreads) {
     const ChunkStats c = stats[int64_t(r) * chunks + j];
-    if (c.m > m) {
+    if (isnan(c.se)) {  // a NaN logit in the chunk: the row's log_softmax is undefined
+      se = NAN;
+    } else if (c.m > m) {
       se = se * expf(m - c.m) + c.se;
       m = c.m;
     } else if (c.m != -INFINITY) {
@@ -384,7 +390,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     if (better(x, best)) best = x;
   }
   const float M = block_reduce(m, MaxOp{});
-  se = m == -INFINITY ? 0.f : se * expf(m - M);
+  se = isnan(se) ? NAN : m == -INFINITY ? 0.f : se * expf(m - M);
   const float S = block_reduce(se, SumF{});
   const float lse = M + logf(S);
   best = block_best(best);
