@@ -109,3 +109,29 @@ def test_speculation_needs_an_mtp_head(build):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, speculative_tokens=2))
     with pytest.raises(ValueError, match="speculative_tokens"):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, speculative_tokens=-1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_speculation_equals_no_speculation(build, fresh_gen, dtype):
+    """On the GPU (the MTP head, verification rows, the DeltaNet kernels keeping states, the rollback): greedy
+    tokens equal the plain run's, one request at a time (the GPU's GEMMs change with the batch)."""
+    from qwen_rt import _core
+
+    if _core.cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or the CUDA plugin is missing)")
+    import shutil
+
+    folder = build("qwen35_hd256")
+    echo = folder.parent / "echo"
+    if not echo.exists():
+        shutil.copytree(folder, echo)
+        M.add_mtp(echo, "echo")
+    prompts = M.pick_prompts(echo, seed=35, lengths=[7, 40], max_new=16)
+    kw = dict(device="cuda", dtype=dtype, max_batch_size=2)
+    plain = fresh_gen(echo, **kw)
+    want = [plain.generate([p], max_tokens=16, **GREEDY)[0].token_ids for p in prompts]
+    gen = fresh_gen(echo, speculative_tokens=2, **kw)
+    got = [gen.generate([p], max_tokens=16, **GREEDY)[0].token_ids for p in prompts]
+    assert got == want
+    assert gen.stats()["spec_accepted"] > 0
