@@ -106,6 +106,7 @@ class CudaBackend final : public Backend {
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
   void matmul_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
+  bool fp8_w8a8(const Tensor& x, const Linear& w) const;  // whether matmul_fp8 takes the W8A8 GEMM for x
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
   // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {
@@ -125,6 +126,7 @@ class CudaBackend final : public Backend {
   int dev_;
   DType act_;
   int num_sms_ = 0;
+  bool sm90_ = false;  // Hopper (sm_90): the block-scaled FP8 GEMM
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;
   LtGemm gemm_;
@@ -135,7 +137,7 @@ class CudaBackend final : public Backend {
   SampleIo sample_io_[2];
   uint64_t samples_started_ = 0, samples_finished_ = 0;
   const int32_t* sampled_ = nullptr;  // device tokens of the last started sampling
-  Scratch w_conv_, x_conv_, attn_ws_, sample_in_, sample_stats_, sample_x_;
+  Scratch w_conv_, x_conv_, fp8_x_, attn_ws_, sample_in_, sample_stats_, sample_x_;
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;

@@ -231,6 +231,53 @@ void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream
   check_launch("dequantize_fp8");
 }
 
+namespace {
+
+// Warp (row m, group g of 128 columns): s = amax / 448 (1 for an all-zero group), q = e4m3(x / s), rounded to
+// nearest even and saturated; the scale at scale[g * lds + m] (groups outer: cuBLASLt's 1D block scales).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, int64_t ldx, int64_t M,
+                                                                 int64_t K, uint8_t* __restrict__ q, int64_t ldq,
+                                                                 float* __restrict__ scale, int64_t lds) {
+  grid_release();
+  grid_wait();
+  const int64_t task = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t groups = (K + kFp8Block - 1) / kFp8Block;
+  if (task >= M * groups) return;
+  const int64_t m = task / groups, g = task % groups;
+  const int lane = threadIdx.x & 31;
+  float v[kFp8Block / 32], amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kFp8Block / 32; ++j) {
+    const int64_t c = g * kFp8Block + lane + 32 * j;
+    v[j] = c < K ? to_f(x[m * ldx + c]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float sc = amax > 0.f ? amax / 448.0f : 1.0f;
+#pragma unroll
+  for (int j = 0; j < kFp8Block / 32; ++j) {
+    const int64_t c = g * kFp8Block + lane + 32 * j;
+    if (c < K) q[m * ldq + c] = __nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3);
+  }
+  if (lane == 0) scale[g * lds + m] = sc;
+}
+
+}  // namespace
+
+void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t lds, cudaStream_t s) {
+  check_act(x, "fp8 activation quantization");
+  const int64_t tasks = x.rows * ((x.cols + kFp8Block - 1) / kFp8Block);
+  if (tasks == 0) return;
+  dispatch_act(x.dtype, "fp8 activation quantization", [&](auto tag) {
+    using T = decltype(tag);
+    launch_chained(quantize_rows_kernel<T>, ceil_div(tasks, kWarps), kThreads, 0, s, x.ptr<T>(), x.stride, x.rows,
+                   x.cols, q, x.cols, scale, lds);
+  });
+  check_launch("fp8 activation quantization");
+}
+
 void launch_quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, cudaStream_t s) {
   const int64_t R = src.rows, C = src.cols, B = kFp8Block;
   QRT_CHECK(q.dtype == DType::F8E4M3 && q.rows == R && q.cols == C, "cuda quantize_fp8: q must be float8_e4m3 [", R,

@@ -17,5 +17,8 @@ bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tens
 void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream_t s);
 // Backend::quantize_fp8 (src F32/F16/BF16).
 void launch_quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, cudaStream_t s);
+// The W8A8 GEMM's activations: x [M, K] (16-bit) into e4m3 q [M, K] (row pitch K) with one fp32 scale per row and
+// 128 columns (amax / 448), scale[g * lds + m] for column group g (lds >= M).
+void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t lds, cudaStream_t s);
 
 }  // namespace qrt::cuda
