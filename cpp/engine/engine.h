@@ -41,7 +41,7 @@ struct EngineOptions {
   // Speculative decoding with the checkpoint's MTP head: draft tokens per step (0: off), and the most sequences of a
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
   int speculative_tokens = 0;
-  int speculative_max_batch = 8;
+  int speculative_max_batch = 2;
 };
 
 struct EngineStats {

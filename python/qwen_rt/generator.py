@@ -332,7 +332,7 @@ class Generator:
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 8):
+                 speculative_tokens: int = 0, speculative_max_batch: int = 2):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
