@@ -299,3 +299,22 @@ def test_cuda_budget_above_every_context_equals_dense_and_small_budget_selects(b
     assert all(len(c.token_ids) == 10 for c in out)
     st = small.stats()
     assert st["sparse_rows"] > 0 and st["sparse_pages_attended"] < st["sparse_pages_held"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])
+def test_synthetic_prefill_decodes_a_long_context_in_one_step(build, fresh_gen, name):
+    """Benchmarks' synthetic_prefill: a 400-token prompt runs its last token alone (one step before decoding) over
+    random stand-in K/V, with sparse attention selecting among the stand-in pages; the output has its length, and
+    differs from the real prompt's."""
+    import qwen_rt
+
+    folder = build(name)
+    (p,) = M.pick_prompts(folder, seed=21, lengths=[400], max_new=6)
+    sa = qwen_rt.SparseAttention(budget_tokens=64, sink_tokens=16, window_tokens=16)
+    gen = fresh_gen(folder, max_batch_size=2, max_model_len=480, synthetic_prefill=True, sparse_attention=sa)
+    out = gen.generate([p], max_tokens=6, **GREEDY)[0]
+    st = gen.stats()
+    assert len(out.token_ids) == 6 and st["steps"] == 6  # the prompt in one step, then 5 decode steps
+    assert st["sparse_rows"] == 6 and st["cached_tokens"] == 0  # the last prompt token selects too
+    real = fresh_gen(folder, max_batch_size=2, max_model_len=480).generate([p], max_tokens=6, **GREEDY)[0]
+    assert out.token_ids != real.token_ids

@@ -94,7 +94,8 @@ NB_MODULE(_core, m) {
       .def_rw("sparse_sink_tokens", &EngineOptions::sparse_sink_tokens)
       .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens)
       .def_rw("speculative_tokens", &EngineOptions::speculative_tokens)
-      .def_rw("speculative_max_batch", &EngineOptions::speculative_max_batch);
+      .def_rw("speculative_max_batch", &EngineOptions::speculative_max_batch)
+      .def_rw("synthetic_prefill", &EngineOptions::synthetic_prefill);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
       .def(nb::init<>())

@@ -323,6 +323,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     QRT_CHECK_ARG(cfg.mtp_layers > 0, "speculative_tokens needs the checkpoint's multi-token-prediction head (mtp.*); ",
                   "this model has none (config.json: mtp_num_hidden_layers)");
   }
+  if (opt.synthetic_prefill) opt.prefix_caching = false;  // stand-in K/V are no prefix's
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
@@ -460,6 +461,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   on_ranks([&](int, Rank& rk) {
     rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_kv_layers(), int(pages), int(host_pages), opt.page_size,
                                       rk.model->kv_cols(), kvdt, sparse.budget_pages > 0);
+    if (opt.synthetic_prefill) rk.kv->fill_random(opt.seed ^ 0x5717e71cull);
     rk.be->synchronize();
   }, kNoLimit);
   if (host_pages > 0) tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical));
@@ -478,6 +480,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   so.speculative_tokens = opt.speculative_tokens;
   so.speculative_max_batch = opt.speculative_max_batch;
   so.kept_slot0 = opt.max_batch_size + 1 + opt.state_snapshots;
+  so.synthetic_prefill = opt.synthetic_prefill;
   sched = std::make_unique<Scheduler>(so);
   if (tiers) sched->pool().track_drops();
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
@@ -688,8 +691,10 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
     if (!moves.empty()) rk.kv->move(moves);
     // State models: a prefix hit's slot resumes from its snapshot; a prompt's state is snapshotted where its
     // chunk ended at a snapshot boundary (stream-ordered around the step).
-    for (const auto& s : p.seqs)
+    for (const auto& s : p.seqs) {
       if (s.restore >= 0) rk.state->copy_slot(rk.state->snapshot_slot(s.restore), s.req->slot);
+      if (s.zero_state) rk.state->zero_slot(s.req->slot);
+    }
     Tensor l = rk.model->forward(input, *rk.kv, rk.state.get(), r == 0 ? sampled : nullptr);
     for (const auto& s : p.seqs)
       if (s.snapshot >= 0) rk.state->copy_slot(s.req->slot, rk.state->snapshot_slot(s.snapshot));

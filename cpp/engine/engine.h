@@ -42,6 +42,10 @@ struct EngineOptions {
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
   int speculative_tokens = 0;
   int speculative_max_batch = 2;
+  // Benchmarks only: prompts' K/V but the last token's are random stand-ins (the KV cache is filled with random
+  // values at start) and hybrid models' states start from zeros; a prompt's first step computes its last token
+  // alone. Outputs are those of no real context. Turns prefix caching off.
+  bool synthetic_prefill = false;
 };
 
 struct EngineStats {

@@ -272,7 +272,8 @@ Plan Scheduler::plan() {
     const int need = pages_for(r->length()) + expected_growth(*r) - shared;
     const int free_after_hit = pool_.free_count() - (int(hit.size()) - shared);
     if ((!running_.empty() && pool_.free_count() - reserved < need) || free_after_hit < 1) break;
-    const int start = int(hit.size()) * ps;
+    // Synthetic prefill: the context but its last token stands in (no hit is looked up: prefix caching is off).
+    const int start = opt_.synthetic_prefill ? r->length() - 1 : int(hit.size()) * ps;
     int n = cut_at_boundary(*r, start, std::min({r->length() - start, budget, free_after_hit * ps}));
     r->slot = slots_.acquire();
     Slot& slot = slots_[r->slot];
@@ -282,8 +283,10 @@ Plan Scheduler::plan() {
     slot.named_tail = hit.empty() ? -1 : hit.back();
     slot.named_tail_gen = hit.empty() ? 0u : pool_.generation(hit.back());
     r->computed = start;
-    cached_tokens_ += start;
-    if (r->preempted == 0) r->cached = start;
+    if (!opt_.synthetic_prefill) {
+      cached_tokens_ += start;
+      if (r->preempted == 0) r->cached = start;
+    }
     ensure_pages(*r, start + n);
     reserved += need - (int(slot.pages.size()) - shared);  // the pages it took left the free count already
     running_.push_back(std::move(waiting_.front()));
@@ -291,6 +294,7 @@ Plan Scheduler::plan() {
     p.seqs.push_back({r, start, n, start + n == r->length()});
     p.seqs.back().restore = restore;
     p.seqs.back().snapshot = snapshot_after(*r, start, n);
+    p.seqs.back().zero_state = opt_.synthetic_prefill && opt_.has_state;
     budget -= n;
   }
   if (!p.seqs.empty()) build_input(p);

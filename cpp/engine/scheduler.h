@@ -39,6 +39,9 @@ struct SchedulerOptions {
   int speculative_tokens = 0;
   int speculative_max_batch = 0;
   int kept_slot0 = 0;
+  // Benchmarks: a prompt's K/V but its last token's stand in as they are (random, KvCache::fill_random) and its
+  // state starts from zeros; its first step computes the last token alone.
+  bool synthetic_prefill = false;
 };
 
 struct PlannedSeq {
@@ -52,6 +55,7 @@ struct PlannedSeq {
   std::vector<int32_t> draft;  // speculation: the request's draft, fed after its last token (count = 1 + drafts);
                                // every row samples
   int keep = -1;      // state models with a draft: the first slot of the states kept after each row but the last
+  bool zero_state = false;  // synthetic prefill: the slot's state is set to zeros before the step
   int rows() const { return sample ? 1 + int(draft.size()) : 0; }  // sampled rows
 };
 

@@ -48,6 +48,31 @@ KvLayer KvCache::layer(int l) const {
   return k;
 }
 
+void KvCache::fill_random(uint64_t seed) {
+  const int64_t rows = int64_t(pages_) * page_size_;
+  for (int l = 0; l < layers_; ++l) {
+    Tensor k(k_rows(l, 0), dtype_, rows, kv_cols_), v(v_rows(l, 0), dtype_, rows, kv_cols_);
+    be_.fill_random(k, seed, 1.0f, 0.0f, int64_t(2 * l) * rows, 0);
+    be_.fill_random(v, seed, 1.0f, 0.0f, int64_t(2 * l + 1) * rows, 0);
+  }
+  if (!summaries_) return;
+  // Every row in order, a chunk of pages at a time: each page's last row summarizes it.
+  const int64_t chunk = std::min<int64_t>(rows, int64_t(1) << 16) / page_size_ * page_size_;
+  Buffer idx(&be_, size_t(chunk) * 4);
+  std::vector<int32_t> host(static_cast<size_t>(chunk));
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows - r0);
+    for (int64_t i = 0; i < n; ++i) host[size_t(i)] = int32_t(r0 + i);
+    be_.upload(idx.as<char>(), host.data(), size_t(n) * 4);
+    AttnBatch b;
+    b.num_tokens = int(n);
+    b.kv_rows = idx.as<int32_t>();
+    b.page_size = page_size_;
+    for (int l = 0; l < layers_; ++l) be_.summarize_pages(layer(l), b, kv_cols_);
+  }
+  be_.synchronize();
+}
+
 void KvCache::move(const PageMoves& moves) {
   const size_t page = size_t(page_size_) * row_bytes();
   auto copy_all = [&](const std::vector<std::pair<int, int>>& list) {

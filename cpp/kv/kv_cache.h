@@ -29,6 +29,9 @@ class KvCache {
   bool summaries() const { return summaries_; }
   // Copies frames' rows (every layer's K, V and summary rows): moves.out, then moves.in (stream-ordered).
   void move(const PageMoves& moves);
+  // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1)), and their
+  // summaries to match.
+  void fill_random(uint64_t seed);
   // Bytes of one device frame (with its summary rows), of one host frame, and of a host frame's summary rows (on
   // the device).
   static size_t bytes_per_page(int num_layers, int page_size, int kv_cols, DType dtype, bool summaries) {

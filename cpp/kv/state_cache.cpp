@@ -21,6 +21,15 @@ void StateCache::copy_slot(int from, int to) {
   }
 }
 
+void StateCache::zero_slot(int slot) {
+  const size_t cb = conv_bytes(shape_, conv_dtype_), rb = recurrent_bytes(shape_);
+  for (int l = 0; l < layers_; ++l) {
+    const StateLayer s = layer(l);
+    be_.fill_zero(static_cast<char*>(s.conv) + size_t(slot) * cb, cb);
+    be_.fill_zero(reinterpret_cast<char*>(s.recurrent) + size_t(slot) * rb, rb);
+  }
+}
+
 StateLayer StateCache::layer(int i) const {
   const size_t slots = size_t(total_);
   return StateLayer{conv_.as<char>() + size_t(i) * slots * conv_bytes(shape_, conv_dtype_),

@@ -21,6 +21,7 @@ class StateCache {
   int kept_slot(int i) const { return slots_ + 1 + snapshots_ + i; }
   // Copies slot `from`'s state of every layer over slot `to`'s (stream-ordered).
   void copy_slot(int from, int to);
+  void zero_slot(int slot);  // every layer's state of the slot set to zeros (stream-ordered)
   static size_t bytes_per_slot(int num_layers, const DeltaNetShape& shape, DType conv_dtype) {
     return size_t(num_layers) * (conv_bytes(shape, conv_dtype) + recurrent_bytes(shape));
   }

@@ -264,17 +264,20 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
     return rows
 
 
-def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng) -> list[dict]:
+def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng, synthetic_from: int = 0) -> list[dict]:
     """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
     the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
-    each tier. offload: kv_offload_memory (bytes; 0: none)."""
+    each tier. offload: kv_offload_memory (bytes; 0: none). Contexts of synthetic_from tokens or more (0: none) are
+    random stand-in K/V (synthetic_prefill; labelled so): decode only."""
     from qwen_rt import SparseAttention
     rows = []
     for n in lengths:
+        synthetic = bool(synthetic_from) and n >= synthetic_from
         for budget in [0] + list(budgets):
             sparse = SparseAttention(budget_tokens=budget) if budget else None
             g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
-                     enable_prefix_caching=True, sparse_attention=sparse, kv_offload_memory=offload or None)
+                     enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_offload_memory=offload or None,
+                     synthetic_prefill=synthetic)
             try:
                 p = _prompts(rng, 1, n, g.config["vocab_size"])
                 kw = dict(ignore_eos=True, temperature=0)
@@ -286,7 +289,8 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
                 st = g.stats()
                 rows.append({"model": model, "quantization": QUANT, "context": n,
                              "attention": f"sparse {budget}" if budget else "full",
-                             "prefill_s": round(prefill, 2), "step_ms": round(step * 1e3, 3),
+                             "prefill_s": "synthetic" if synthetic else round(prefill, 2),
+                             "step_ms": round(step * 1e3, 3),
                              "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),
                              "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
                              "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
@@ -444,6 +448,8 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-lengths", default="4096,32768,131072")
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
     p.add_argument("--longctx-offload", type=int, default=0, help="kv_offload_memory in bytes (0: none)")
+    p.add_argument("--longctx-synthetic-from", type=int, default=262144,
+                   help="contexts of this many tokens or more decode over random stand-in K/V (0: never)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: the weights quantized at load (block-128 FP8, as Qwen's FP8 checkpoints); the "
@@ -498,7 +504,8 @@ def run(args) -> int:
     if "longctx" in parts:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
-                                       max(args.new_tokens, 8), args.longctx_offload, rng)
+                                       max(args.new_tokens, 8), args.longctx_offload, rng,
+                                       args.longctx_synthetic_from)
         print_table(rec["longctx"])
     if "startup" in parts:
         rec["startup"] = []

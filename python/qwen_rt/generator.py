@@ -332,7 +332,7 @@ class Generator:
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 2):
+                 speculative_tokens: int = 0, speculative_max_batch: int = 2, synthetic_prefill: bool = False):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -372,7 +372,8 @@ class Generator:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         for name, v in (("cuda_graphs", cuda_graphs), ("enable_prefix_caching", enable_prefix_caching),
-                        ("progress", progress), ("check_weights", check_weights)):
+                        ("progress", progress), ("check_weights", check_weights),
+                        ("synthetic_prefill", synthetic_prefill)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if sparse_attention is not None and not isinstance(sparse_attention, SparseAttention):
@@ -440,6 +441,7 @@ class Generator:
         opts.check_weights = check_weights
         opts.speculative_tokens = speculative_tokens
         opts.speculative_max_batch = speculative_max_batch
+        opts.synthetic_prefill = synthetic_prefill
         if sparse_attention is not None:
             opts.sparse_budget_tokens = sparse_attention.budget_tokens
             opts.sparse_sink_tokens = sparse_attention.sink_tokens
