@@ -407,8 +407,11 @@ template <typename T>
 __global__ void attn_combine_kernel(const RowsArgs a, int D, int granule) {
   grid_release();
   const int row = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
+  // Uploaded metadata is read before grid_wait; per-head lists' key counts are select_pages' output, written by an
+  // earlier kernel of the chain.
+  if (a.head_tables) grid_wait();
   int s, n_keys;
-  const int chunk = split_chunk(a, row, h / a.group, granule, s, n_keys);  // metadata: read before grid_wait
+  const int chunk = split_chunk(a, row, h / a.group, granule, s, n_keys);
   const int splits = min(a.nsplit, (n_keys + chunk - 1) / chunk);
   __shared__ float m_s[kMaxSplits], w_s[kMaxSplits];
   grid_wait();
@@ -900,7 +903,9 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
     }
   };
   // Up to grid_wait: the step's metadata (uploaded before the step's first kernel; no kernel writes it) and
-  // the first keys when they are old.
+  // the first keys when they are old. Per-head lists (sparse decode) are select_pages' output, written by an earlier
+  // kernel of the chain: with them the kernel waits first.
+  if (a.head_tables) grid_wait();
   const int split = WPR == kDecWarps ? int(blockIdx.x) : 0;
   int row, kvh, k_begin = 0, k_end = 0, s = 0, n_keys = 0;
   pair_of(warp / WPR, row, kvh);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 
 namespace qrt::cuda {
@@ -361,13 +362,31 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
   // Larger batches of 16-bit activations on Hopper (QWEN_RT_FP8_GEMM=w8a8, until it is measured): W8A8, the
   // activations quantized per row and 128 columns (the dynamic scheme Qwen's FP8 checkpoints name), one block-scaled
   // FP8 cuBLASLt GEMM.
-  if (fp8_w8a8(x, lw)) {
-    const int64_t groups = K / kFp8Block;
-    char* buf = static_cast<char*>(scratch(fp8_x_, size_t(M * K) + size_t(groups * M) * 4 + 16, "fp8 activations"));
-    float* x_scale = reinterpret_cast<float*>(buf + (M * K + 15) / 16 * 16);
-    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, M, stream_);
-    if (gemm_.run_fp8(M, N, K, buf, x_scale, M, w.data, w.stride, lw.scale.ptr<float>(), out.data, out.stride,
-                      out.dtype, stream_, accumulate)) {
+  if (const int form = fp8_w8a8(x, lw)) {
+    // Until measured (docs/PERFORMANCE.md), the orientation and the scales' order are switches:
+    // QWEN_RT_FP8_GEMM=w8a8 (the weights are cuBLASLt's A) or w8a8t (the activations are, the product transposed
+    // into out), QWEN_RT_FP8_SCALES=<x>,<w> with "k" (the 128-column groups fastest) or "mn" (rows fastest).
+    const char* e = std::getenv("QWEN_RT_FP8_SCALES");
+    const std::string order = e ? e : "mn,k";
+    const bool x_kmajor = order.rfind("k,", 0) == 0, w_mnmajor = order.size() > 2 && order.substr(order.size() - 2) == "mn";
+    const bool x_first = form == 2;
+    const int64_t groups = K / kFp8Block, nb = N / kFp8Block;
+    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * M) * 4;
+    const size_t t_bytes = x_first ? size_t(M * N) * dtype_size(out.dtype) : 0, w_bytes = size_t(nb * groups) * 4;
+    char* buf = static_cast<char*>(scratch(fp8_x_, x_bytes + s_bytes + w_bytes + t_bytes + 64, "fp8 activations"));
+    float* x_scale = reinterpret_cast<float*>(buf + x_bytes);
+    float* w_t = reinterpret_cast<float*>(buf + x_bytes + s_bytes);
+    void* d = buf + x_bytes + s_bytes + w_bytes;
+    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, x_kmajor ? groups : 1, x_kmajor ? 1 : M,
+                             stream_);
+    const float* w_scale = lw.scale.ptr<float>();
+    if (w_mnmajor) {
+      launch_transpose_scales(lw.scale, w_t, stream_);
+      w_scale = w_t;
+    }
+    if (gemm_.run_fp8(M, N, K, buf, x_scale, w.data, w.stride, w_scale, x_first ? d : out.data,
+                      x_first ? M : out.stride, out.dtype, stream_, accumulate, x_first)) {
+      if (x_first) launch_transpose_out(d, M, N, out, accumulate, stream_);
       if (bias) launch_add_bias(out, *bias, stream_);
       return;
     }
@@ -392,12 +411,13 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
   }
 }
 
-bool CudaBackend::fp8_w8a8(const Tensor& x, const Linear& lw) const {
+int CudaBackend::fp8_w8a8(const Tensor& x, const Linear& lw) const {
   const char* e = std::getenv("QWEN_RT_FP8_GEMM");  // read at every call, so the op tests can set it
-  const bool on = e && std::strcmp(e, "w8a8") == 0;
-  const int64_t K = lw.w.cols;
-  return on && sm90_ && x.dtype != DType::F32 && lw.scale_row_shift == 7 && K % kFp8Block == 0 &&
-         lw.w.rows % 16 == 0 && lw.scale.stride == K / kFp8Block && aligned16(lw.w.data, lw.w.stride);
+  const int form = !e ? 0 : std::strcmp(e, "w8a8") == 0 ? 1 : std::strcmp(e, "w8a8t") == 0 ? 2 : 0;
+  const int64_t K = lw.w.cols, N = lw.w.rows;
+  const bool ok = sm90_ && x.dtype != DType::F32 && lw.scale_row_shift == 7 && K % kFp8Block == 0 &&
+                  N % kFp8Block == 0 && lw.scale.stride == K / kFp8Block && aligned16(lw.w.data, lw.w.stride);
+  return ok ? form : 0;
 }
 
 void CudaBackend::quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale) {

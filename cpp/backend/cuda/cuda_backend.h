@@ -106,7 +106,8 @@ class CudaBackend final : public Backend {
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
   void matmul_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
-  bool fp8_w8a8(const Tensor& x, const Linear& w) const;  // whether matmul_fp8 takes the W8A8 GEMM for x
+  // Whether matmul_fp8 takes the W8A8 GEMM for x: 0 no, 1 with the weights as cuBLASLt's A, 2 the activations.
+  int fp8_w8a8(const Tensor& x, const Linear& w) const;
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
   // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {

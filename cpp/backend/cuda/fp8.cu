@@ -234,11 +234,12 @@ void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream
 namespace {
 
 // Warp (row m, group g of 128 columns): s = amax / 448 (1 for an all-zero group), q = e4m3(x / s), rounded to
-// nearest even and saturated; the scale at scale[g * lds + m] (groups outer: cuBLASLt's 1D block scales).
+// nearest even and saturated; the scale at scale[m * s_row + g * s_group].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, int64_t ldx, int64_t M,
                                                                  int64_t K, uint8_t* __restrict__ q, int64_t ldq,
-                                                                 float* __restrict__ scale, int64_t lds) {
+                                                                 float* __restrict__ scale, int64_t s_row,
+                                                                 int64_t s_group) {
   grid_release();
   grid_wait();
   const int64_t task = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -261,19 +262,56 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
     const int64_t c = g * kFp8Block + lane + 32 * j;
     if (c < K) q[m * ldq + c] = __nv_cvt_float_to_fp8(v[j] / sc, __NV_SATFINITE, __NV_E4M3);
   }
-  if (lane == 0) scale[g * lds + m] = sc;
+  if (lane == 0) scale[m * s_row + g * s_group] = sc;
+}
+
+// out[m, n] (+)= d[n * M + m]: a column-major [M, N] product into row-major out.
+template <typename T>
+__global__ void transpose_out_kernel(const T* __restrict__ d, int64_t M, int64_t N, T* __restrict__ out, int64_t ldo,
+                                     bool accumulate) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * N) return;
+  const int64_t m = i % M, n = i / M;
+  const float v = to_f(d[i]);
+  T& o = out[m * ldo + n];
+  o = from_f<T>(accumulate ? to_f(o) + v : v);
+}
+
+// dst[c * R + r] = src[r * lds + c]: a scale grid transposed.
+__global__ void transpose_f32_kernel(const float* __restrict__ src, int64_t R, int64_t C, int64_t lds,
+                                     float* __restrict__ dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= R * C) return;
+  const int64_t r = i % R, c = i / R;
+  dst[c * R + r] = src[r * lds + c];
 }
 
 }  // namespace
 
-void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t lds, cudaStream_t s) {
+void launch_transpose_out(const void* d, int64_t M, int64_t N, Tensor& out, bool accumulate, cudaStream_t s) {
+  dispatch_act(out.dtype, "fp8 transpose", [&](auto tag) {
+    using T = decltype(tag);
+    transpose_out_kernel<T><<<ceil_div(M * N, 256), 256, 0, s>>>(static_cast<const T*>(d), M, N, out.ptr<T>(),
+                                                                 out.stride, accumulate);
+  });
+  check_launch("fp8 transpose");
+}
+
+void launch_transpose_scales(const Tensor& src, float* dst, cudaStream_t s) {
+  transpose_f32_kernel<<<ceil_div(src.rows * src.cols, 256), 256, 0, s>>>(src.ptr<float>(), src.rows, src.cols,
+                                                                           src.stride, dst);
+  check_launch("fp8 scale transpose");
+}
+
+void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t s_row, int64_t s_group,
+                              cudaStream_t s) {
   check_act(x, "fp8 activation quantization");
   const int64_t tasks = x.rows * ((x.cols + kFp8Block - 1) / kFp8Block);
   if (tasks == 0) return;
   dispatch_act(x.dtype, "fp8 activation quantization", [&](auto tag) {
     using T = decltype(tag);
     launch_chained(quantize_rows_kernel<T>, ceil_div(tasks, kWarps), kThreads, 0, s, x.ptr<T>(), x.stride, x.rows,
-                   x.cols, q, x.cols, scale, lds);
+                   x.cols, q, x.cols, scale, s_row, s_group);
   });
   check_launch("fp8 activation quantization");
 }

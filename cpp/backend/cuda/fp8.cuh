@@ -18,7 +18,12 @@ void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream
 // Backend::quantize_fp8 (src F32/F16/BF16).
 void launch_quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, cudaStream_t s);
 // The W8A8 GEMM's activations: x [M, K] (16-bit) into e4m3 q [M, K] (row pitch K) with one fp32 scale per row and
-// 128 columns (amax / 448), scale[g * lds + m] for column group g (lds >= M).
-void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t lds, cudaStream_t s);
+// 128 columns (amax / 448), scale[m * s_row + g * s_group] for column group g.
+void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t s_row, int64_t s_group,
+                              cudaStream_t s);
+// out[m, n] (+)= d[n * M + m] (d: out's dtype, column-major [M, N]).
+void launch_transpose_out(const void* d, int64_t M, int64_t N, Tensor& out, bool accumulate, cudaStream_t s);
+// dst = src^T, fp32, dense [src.cols, src.rows].
+void launch_transpose_scales(const Tensor& src, float* dst, cudaStream_t s);
 
 }  // namespace qrt::cuda

@@ -105,20 +105,28 @@ void LtGemm::build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64
   if (p.ok) p.algo = res.algo;
 }
 
-void LtGemm::build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t) {
+void LtGemm::build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t,
+                            bool x_first) {
   lt_check(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set transa");
   lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set transb");
-  // A: the weights (128 x 128 blocks), B: the activations (1 x 128 blocks).
-  const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  // The weights in 128 x 128 blocks, the activations in 1 x 128 blocks; x_first: the activations are A.
+  const int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int32_t a_mode = x_first ? vec : blk, b_mode = x_first ? blk : vec;
   lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)),
            "set A scale mode");
   lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)),
            "set B scale mode");
-  lt_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), ldw), "layout w");
-  lt_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K), "layout x");
-  lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(N), uint64_t(M), ldo), "layout out");
+  if (x_first) {  // out^T: column-major [M, N] = (x [K, M])^T * w [K, N]
+    lt_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K), "layout x");
+    lt_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), ldw), "layout w");
+    lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(M), uint64_t(N), ldo), "layout out");
+  } else {  // out: column-major [N, M] = (w [K, N])^T * x [K, M]
+    lt_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), ldw), "layout w");
+    lt_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K), "layout x");
+    lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(N), uint64_t(M), ldo), "layout out");
+  }
 }
 
 void LtGemm::find_algo(Plan& p, int al_a, int al_b, int al_c) {
@@ -140,13 +148,13 @@ void LtGemm::find_algo(Plan& p, int al_a, int al_b, int al_c) {
   if (p.ok) p.algo = res.algo;
 }
 
-bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, int64_t x_lds,
-                     const void* w8, int64_t ldw, const float* w_scale, void* out, int64_t ldo, DType out_t,
-                     cudaStream_t s, bool accumulate) {
+bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8,
+                     int64_t ldw, const float* w_scale, void* out, int64_t ldo, DType out_t, cudaStream_t s,
+                     bool accumulate, bool x_first) {
   if (M == 0 || N == 0) return true;
   const int al_x = alignment(x8, K), al_w = alignment(w8, ldw), al_o = alignment(out, ldo * int64_t(dtype_size(out_t)));
-  // Keyed apart from the 16-bit plans by a dtype no 16-bit plan has (F8E4M3) and the scales' pitch.
-  Key k{int(DType::F8E4M3), M, N, K, x_lds, ldw, ldo, al_x, al_w, al_o, -1, int(out_t)};
+  // Keyed apart from the 16-bit plans by a dtype no 16-bit plan has (F8E4M3), and by the orientation.
+  Key k{int(DType::F8E4M3), M, N, K, x_first ? 1 : 0, ldw, ldo, al_x, al_w, al_o, -1, int(out_t)};
   auto it = plans_.find(k);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxPlans) {
@@ -155,8 +163,9 @@ bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const floa
     }
     Plan& p = plans_[k];
     try {
-      build_fp8_plan(p, M, N, K, ldw, ldo, out_t);
-      find_algo(p, al_w, al_x, al_o);
+      build_fp8_plan(p, M, N, K, ldw, ldo, out_t, x_first);
+      if (x_first) find_algo(p, al_x, al_w, al_o);
+      else find_algo(p, al_w, al_x, al_o);
     } catch (...) {
       destroy(p);
       plans_.erase(k);
@@ -166,12 +175,16 @@ bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const floa
   }
   Plan& p = it->second;
   if (!p.ok) return false;
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale)),
+  const float* a_scale = x_first ? x_scale : w_scale;
+  const float* b_scale = x_first ? w_scale : x_scale;
+  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)),
            "set A scale");
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)),
+  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)),
            "set B scale");
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  lt_check(cublasLtMatmul(handle_, p.op, &alpha, w8, p.a, x8, p.b, &beta, out, p.c, out, p.c, &p.algo, workspace_,
+  const float alpha = 1.0f, beta = accumulate && !x_first ? 1.0f : 0.0f;
+  const void* a = x_first ? x8 : w8;
+  const void* b = x_first ? w8 : x8;
+  lt_check(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, out, p.c, out, p.c, &p.algo, workspace_,
                           ws_bytes_, s),
            "cublasLtMatmul (fp8)");
   return true;
