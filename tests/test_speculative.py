@@ -135,3 +135,23 @@ def test_cuda_speculation_equals_no_speculation(build, fresh_gen, dtype):
     got = [gen.generate([p], max_tokens=16, **GREEDY)[0].token_ids for p in prompts]
     assert got == want
     assert gen.stats()["spec_accepted"] > 0
+
+
+def test_speculation_with_sparse_attention_and_a_host_tier(build, fresh_gen):
+    """Speculation composed with sparse decode and a host tier smaller than the contexts: the output of the same
+    configuration without speculation (the MTP layer's K/V live in the same pages and move with them; drafts stop
+    where selection starts: verification rows attend to every page)."""
+    import qwen_rt
+
+    folder = build("qwen35_hybrid+mtp_echo")
+    prompts = M.pick_prompts(folder, seed=36, lengths=[150, 20], max_new=20)
+    sa = qwen_rt.SparseAttention(budget_tokens=48, sink_tokens=4, window_tokens=8)
+    row = M.kv_bytes(folder, 1, 1) * 2  # a token's K/V in every attention layer, the MTP layer's too
+    kw = dict(max_batch_size=2, page_size=4, max_num_batched_tokens=16, sparse_attention=sa,
+              kv_cache_memory=row * (16 * 5 + 120), kv_offload_memory=row * 120 * 4 // 2)
+    want = fresh_gen(folder, **kw).generate(prompts, max_tokens=20, **GREEDY)
+    gen = fresh_gen(folder, speculative_tokens=2, **kw)
+    got = gen.generate(prompts, max_tokens=20, **GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    st = gen.stats()
+    assert st["spec_accepted"] > 0 and st["sparse_rows"] > 0 and st["kv_bytes_to_host"] > 0

@@ -258,6 +258,7 @@ struct Engine::Impl {
     std::vector<std::unique_ptr<Request>> retired;
   };
   std::unique_ptr<Flight> launched;
+  Flight* completing = nullptr;  // the step complete() works on (it keeps the requests that end meanwhile)
 
   void build(const std::vector<TensorSource>& tensors, const Progress& progress);
   // Before anything is allocated: refuses a model the devices cannot hold (ValueError stating both numbers), and
@@ -580,7 +581,9 @@ void Engine::Impl::end_channel(const Request& r, Finish f, const std::string& er
 
 void Engine::Impl::retire(std::unique_ptr<Request> r) {
   r->finished = true;
-  if (launched) launched->retired.push_back(std::move(r));  // the step in flight may refer to it
+  // The step in flight may refer to it; so may the one being completed (its drafts are made after its requests end).
+  Flight* keep = launched ? launched.get() : completing;
+  if (keep) keep->retired.push_back(std::move(r));
 }
 
 void Engine::Impl::finish(std::unique_ptr<Request> r, Finish f, const std::string& error) {
@@ -757,6 +760,11 @@ SampleRow Engine::Impl::sample_row(const Request& q, int ahead, bool& needs_toke
 }
 
 void Engine::Impl::complete(std::unique_ptr<Flight> f) {
+  completing = f.get();
+  struct Done {
+    Flight*& p;
+    ~Done() { p = nullptr; }
+  } done{completing};
   SampleResult res;
   if (f->sampled) ranks[0].be->sample_finish(res, opt.comm_timeout_s);
   std::vector<std::pair<int, int>> rollbacks;  // (kept state slot, request slot): drafts rejected after a row
@@ -872,7 +880,10 @@ void Engine::Impl::draft(const Plan& plan) {
     for (int j = 0; j < confirmed; ++j) hidden.push_back(row0 + j);
     const SamplingOptions& o = q.opts;
     const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
-    const int room = std::min(o.max_tokens - int(q.output.size()), opt.max_model_len - q.length()) - 1;
+    int room = std::min(o.max_tokens - int(q.output.size()), opt.max_model_len - q.length()) - 1;
+    // With sparse decode, verification rows attend to every page (selection is per sequence, for one-row decodes):
+    // drafts stop where the plain run would start selecting, so the output stays the plain run's.
+    if (sparse.budget_pages > 0) room = std::min(room, sparse.budget_pages * ps - q.length());
     if (q.computed != q.length() - 1 || !o.speculative || penalties || room < 1 ||
         int(drafters.size()) >= opt.speculative_max_batch)
       continue;
