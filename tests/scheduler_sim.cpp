@@ -7,7 +7,8 @@
 // prefix), or a context read from the wrong rows would change the tokens or fail a check. Every request's tokens
 // are compared with the same request run alone, over random page sizes, pool sizes, budgets, batch sizes and
 // limits, with preemption, cancellation, stop tokens, min_tokens, requests with penalties (which make the engine
-// complete a step before planning the next), and prompts that share prefixes, with the prefix cache on or off.
+// complete a step before planning the next), and prompts that share prefixes, with the prefix cache on or off, a
+// host tier, and speculation (drafts made as Engine::Impl::draft makes them, verified as complete() verifies them).
 //
 // The requests' bookkeeping around a step is the engine's own (Scheduler::launched and Scheduler::sampled); only
 // the loop's order in step() mirrors Engine::Impl::step (change them together) and the device is modelled here.
@@ -113,15 +114,25 @@ struct Sim {
   bool overlap = true;
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<Flight> launched;
+  Flight* completing = nullptr;  // the step complete() works on
   // With a host tier (kv/tiers.h): the device reads and writes frames, and the tags move with the frames' rows.
   std::unique_ptr<TierMap> tiers;
   int device_frames = 0;
   int64_t frame_moves = 0;
+  // Speculation (opt.speculative_tokens): drafts made as the engine's draft() makes them, each token the right one
+  // half of the time; drafted and confirmed counts.
+  uint64_t draft_rng = 1;
+  int64_t drafted = 0, confirmed = 0;
+  int draw(int n) {  // uniform in [0, n)
+    draft_rng = draft_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return int((draft_rng >> 33) % uint64_t(n));
+  }
   std::vector<RowTag> kv;               // one tag per K/V row (pages + 1 scratch page), or per frame row
   std::vector<StateTag> slot_state, snapshot_state;  // state models: each slot's and each snapshot's state
   std::vector<int32_t> device_sampled;  // the last step's sampled tokens, as token_src reads them
   std::map<int64_t, std::vector<int32_t>> prompts, published;
   std::map<int64_t, std::vector<uint64_t>> contexts;  // prefix hashes of each request's prompt and expected output
+  std::map<int64_t, std::vector<uint64_t>> fed_hashes;  // speculation: of its known tokens and its last draft
   std::map<int64_t, Expected> expected;
   std::map<int64_t, Finish> ended;
   std::set<int64_t> penalized, admitted;
@@ -132,7 +143,9 @@ struct Sim {
     if (ended.count(r->id)) FAIL("request %lld ended twice", (long long)r->id);
     ended[r->id] = f;
     r->finished = true;
-    if (launched) launched->retired.push_back(std::move(r));
+    // As the engine's retire(): kept by the step in flight, or by the one being completed (its drafts come after).
+    Flight* keep = launched ? launched.get() : completing;
+    if (keep) keep->retired.push_back(std::move(r));
   }
 
   void check_plan(const Plan& p) {
@@ -145,7 +158,8 @@ struct Sim {
       tokens += q.count;
       if (q.count < 1) FAIL("a sequence of %d tokens", q.count);
       if (q.req->finished) FAIL("request %lld planned after it finished", (long long)q.req->id);
-      if (q.first + q.count > q.req->length() || q.first + q.count > opt.max_model_len) FAIL("fed past the end");
+      if (q.first + q.count - int(q.draft.size()) > q.req->length() || q.first + q.count > opt.max_model_len)
+        FAIL("fed past the end");
       for (int j = 0; j < (q.first + q.count + opt.page_size - 1) / opt.page_size; ++j) {
         const int page = in.page_table[s * in.max_pages + j];
         if (page < 0 || page >= opt.num_pages) FAIL("page %d outside the pool", page);
@@ -189,7 +203,8 @@ struct Sim {
       if (q.first > 0 && (st.pos != q.first || st.context != h[size_t(q.first - 1)]))
         FAIL("request %lld resumes at position %d from a state after %d tokens of another context", (long long)q.req->id,
              q.first, st.pos);
-      st = StateTag{q.first + q.count, h[size_t(q.first + q.count - 1)]};
+      const size_t last = size_t(q.first + q.count - 1);
+      st = StateTag{q.first + q.count, last < h.size() ? h[last] : 0};  // past the run alone: a draft, rolled back
     }
     for (const auto& q : p.seqs)
       if (q.snapshot >= 0) {
@@ -207,11 +222,23 @@ struct Sim {
       const auto& q = p.seqs[s];
       const auto& prompt = prompts[q.req->id];
       const auto& want_out = expected[q.req->id].tokens;
+      const int len = int(prompt.size() + q.req->output.size());  // drafts are fed from here on
+      // The hashes of the tokens this step feeds after the known ones (a draft may be wrong).
+      std::vector<uint64_t> fed_h;
+      if (!q.draft.empty()) {
+        std::vector<int32_t> fed = prompt;
+        fed.insert(fed.end(), q.req->output.begin(), q.req->output.end());
+        fed.insert(fed.end(), q.draft.begin(), q.draft.end());
+        fed_h = prefix_hashes(fed);
+        fed_hashes[q.req->id] = fed_h;
+      }
       for (int i = q.first; i < q.first + q.count; ++i, ++k) {
         int32_t t = in.tokens[k];
         if (in.token_src[k] >= 0) t = in.token_src[k] < int(device_sampled.size()) ? device_sampled[in.token_src[k]] : -7;
         const size_t o = size_t(i) - prompt.size();
-        const int32_t want = i < int(prompt.size()) ? prompt[i] : o < want_out.size() ? want_out[o] : -9;
+        const bool drafted_row = i >= len && !q.draft.empty();
+        const int32_t want = drafted_row ? q.draft[size_t(i - len)]
+                             : i < int(prompt.size()) ? prompt[i] : o < want_out.size() ? want_out[o] : -9;
         if (t != want) FAIL("request %lld position %d fed %d, want %d", (long long)q.req->id, i, t, want);
         if (in.positions[k] != i) FAIL("position %d fed as %d", i, in.positions[k]);
         const int row = in.kv_rows[k];
@@ -219,7 +246,7 @@ struct Sim {
         if (!tiers && sched->pool().holders(row / ps) != 1)
           FAIL("request %lld writes position %d into page %d, which %d requests hold", (long long)q.req->id, i,
                row / ps, sched->pool().holders(row / ps));
-        const auto& h = contexts[q.req->id];
+        const auto& h = drafted_row ? fed_h : contexts[q.req->id];
         kv[size_t(row)] = RowTag{q.req->id, i, t, size_t(i) < h.size() ? h[size_t(i)] : 0};
         written.insert(row);
       }
@@ -238,12 +265,17 @@ struct Sim {
     for (size_t s = 0; s < p.seqs.size(); ++s) {
       const auto& q = p.seqs[s];
       if (!q.sample) continue;
-      std::vector<int32_t> context;
-      for (int j = 0; j < in.ctx_len[s]; ++j) {
-        check_row(p, s, j);
-        context.push_back(kv[size_t(in.page_table[s * in.max_pages + j / ps] * ps + j % ps)].token);
+      // One row, or one per fed token with a draft (each samples the token after it; rows past the known tokens read
+      // this step's drafts).
+      const int rows = q.rows(), len = int(q.req->prompt.size() + q.req->output.size());
+      for (int r = 0; r < rows; ++r) {
+        std::vector<int32_t> context;
+        for (int j = 0; j < in.ctx_len[s] - (rows - 1 - r); ++j) {
+          if (j < len || q.draft.empty()) check_row(p, s, j);
+          context.push_back(kv[size_t(in.page_table[s * in.max_pages + j / ps] * ps + j % ps)].token);
+        }
+        sampled.push_back(next_token(context, banned_tokens(q.req->opts, int(q.req->output.size()) + r)));
       }
-      sampled.push_back(next_token(context, banned_tokens(q.req->opts, int(q.req->output.size()))));
     }
     return sampled;
   }
@@ -288,12 +320,37 @@ struct Sim {
   }
 
   void complete(std::unique_ptr<Flight> f) {
+    completing = f.get();
     int row = 0;
     for (const auto& s : f->plan.seqs) {
       if (!s.sample) continue;
-      const int r = row++;
+      const int r = row;
+      row += s.rows();
       Request& q = *s.req;
       if (q.finished) continue;
+      if (!s.draft.empty()) {  // the engine's verification: the draft tokens equal to the samples before them stand
+        int n = 0;
+        while (n < int(s.draft.size()) && s.draft[size_t(n)] == f->sampled[size_t(r + n)]) ++n;
+        const std::vector<int32_t> tokens(f->sampled.begin() + r, f->sampled.begin() + r + n + 1);
+        int taken = 0;
+        const Finish fin = sched->accepted(s, tokens, &taken);
+        drafted += int64_t(s.draft.size());
+        confirmed += n;
+        auto& out = published[q.id];
+        if (int(out.size()) != s.out_index) FAIL("request %lld publishes token %d after %zu", (long long)q.id, s.out_index, out.size());
+        for (int i = 0; i < taken; ++i) {
+          out.push_back(tokens[size_t(i)]);
+          const Finish want = end_after(q.opts, int(q.prompt.size()), s.out_index + i + 1, tokens[size_t(i)],
+                                        opt.max_model_len);
+          if (want != (i + 1 == taken ? fin : Finish::None))
+            FAIL("request %lld ends %d after token %d of a draft, the oracle says otherwise", (long long)q.id,
+                 int(fin), s.out_index + i);
+        }
+        if (fin == Finish::None && opt.has_state && n < int(s.draft.size()))  // the engine's rollback
+          slot_state[size_t(q.slot)] = StateTag{s.first + n + 1, contexts[q.id][size_t(s.first + n)]};
+        if (fin != Finish::None) finish(sched->remove(&q), fin);
+        continue;
+      }
       const int32_t t = f->sampled[r];
       const Finish fin = sched->sampled(s, r, t);  // the engine's own bookkeeping; end_after is the oracle's
       auto& out = published[q.id];
@@ -303,12 +360,37 @@ struct Sim {
         FAIL("request %lld ends %d after token %d, the oracle says otherwise", (long long)q.id, int(fin), s.out_index);
       if (fin != Finish::None) finish(sched->remove(&q), fin);
     }
+    if (opt.speculative_tokens > 0) draft(f->plan);
+    completing = nullptr;
+  }
+
+  // Engine::Impl::draft's choices: requests of the step that decode next, without penalties, with room for a draft
+  // and pages for it, up to speculative_max_batch of them.
+  void draft(const Plan& plan) {
+    int drafters = 0;
+    for (const auto& s : plan.seqs) {
+      Request& q = *s.req;
+      if (q.finished || q.slot < 0 || q.computed != q.length() - 1 || penalized.count(q.id)) continue;
+      const int room = std::min(q.opts.max_tokens - int(q.output.size()), opt.max_model_len - q.length()) - 1;
+      if (room < 1 || drafters >= opt.speculative_max_batch) continue;
+      int want = std::min(opt.speculative_tokens, room);
+      while (want > 0 && !sched->grow(q, q.length() + want)) --want;
+      if (want == 0) continue;
+      const auto& exp = expected[q.id].tokens;
+      q.draft.clear();
+      for (int j = 0; j < want; ++j) {
+        const size_t o = q.output.size() + size_t(j);
+        q.draft.push_back(draw(2) && o < exp.size() ? exp[o] : int32_t(draw(kVocab)));
+      }
+      ++drafters;
+    }
   }
 
   // Engine::Impl::step: with overlap, the next step is planned and launched before the one in flight completes.
   bool step() {
     bool worked = false;
-    if (launched && (launched->needs_tokens || !overlap)) complete(std::move(launched)), worked = true;
+    if (launched && (launched->needs_tokens || !overlap || opt.speculative_tokens > 0))
+      complete(std::move(launched)), worked = true;
     Plan plan = sched->plan();
     std::unique_ptr<Flight> before = std::move(launched);
     if (!plan.empty()) launched = launch(std::move(plan)), worked = true;
@@ -318,7 +400,8 @@ struct Sim {
 };
 
 struct Totals {
-  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0, frame_moves = 0;
+  int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0, frame_moves = 0, drafted = 0,
+          confirmed = 0;
 };
 
 // One random configuration and workload; adds its counts to t.
@@ -338,6 +421,12 @@ void run_seed(uint64_t seed, Totals& t) {
   sim.opt.state_snapshots = U(0, 3);
   sim.slot_state.assign(size_t(sim.opt.max_batch_size), StateTag{});
   sim.snapshot_state.assign(size_t(sim.opt.state_snapshots), StateTag{});
+  if (U(0, 2) == 0) {  // speculation (the engine completes each step before planning the next)
+    sim.opt.speculative_tokens = U(1, 3);
+    sim.opt.speculative_max_batch = U(1, 3);
+    sim.opt.kept_slot0 = 0;
+    sim.draft_rng = seed * 2 + 1;
+  }
   sim.sched = std::make_unique<Scheduler>(sim.opt);
   sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
   if (U(0, 2) == 0) {  // a host tier: the engine's frames for this pool (kv/tiers.h)
@@ -437,6 +526,8 @@ void run_seed(uint64_t seed, Totals& t) {
   t.shared_reads += sim.shared_reads;
   t.state_restores += sim.state_restores;
   t.frame_moves += sim.frame_moves;
+  t.drafted += sim.drafted;
+  t.confirmed += sim.confirmed;
 }
 
 }  // namespace
@@ -447,8 +538,9 @@ int main(int argc, char** argv) {
   for (int seed = 0; seed < seeds && !g_failed; ++seed) run_seed(uint64_t(seed), t);
   if (g_failed) return 1;
   std::printf("ok (%lld preemptions, %lld prompt tokens from the prefix cache, %lld rows read from pages another "
-              "request wrote, %lld states restored from snapshots, %lld frames moved between KV tiers)\n",
+              "request wrote, %lld states restored from snapshots, %lld frames moved between KV tiers, %lld draft "
+              "tokens fed, %lld confirmed)\n",
               (long long)t.preemptions, (long long)t.cached_tokens, (long long)t.shared_reads,
-              (long long)t.state_restores, (long long)t.frame_moves);
+              (long long)t.state_restores, (long long)t.frame_moves, (long long)t.drafted, (long long)t.confirmed);
   return 0;
 }
