@@ -152,13 +152,15 @@ Finish Scheduler::accepted(const PlannedSeq& s, const std::vector<int32_t>& toke
   QRT_CHECK(!tokens.empty() && tokens.size() <= 1 + s.draft.size() && s.out_index == int(q.output.size()) - 1,
             "accepted: tokens do not fit the sequence's draft");
   q.pending_row = -1;
-  q.computed = s.first + int(tokens.size());  // its last token and the draft tokens the samples confirmed
   Finish f = Finish::None;
   int i = 0;
   for (; i < int(tokens.size()) && f == Finish::None; ++i) {
     if (i > 0) q.output.push_back(tokens[size_t(i)]);
     f = take_token(q, s.out_index + i, tokens[size_t(i)]);
   }
+  // Its K/V stand for its last token and the draft tokens the samples confirmed, as far as it took them (a request
+  // that ends inside its draft names no page past its output).
+  q.computed = s.first + i;
   *taken = i;
   return f;
 }
