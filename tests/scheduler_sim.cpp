@@ -431,7 +431,7 @@ void run_seed(uint64_t seed, Totals& t) {
   sim.kv.assign(size_t(capacity + sim.opt.page_size), RowTag{});
   if (U(0, 2) == 0) {  // a host tier: the engine's frames for this pool (kv/tiers.h)
     const int reserve = (sim.opt.max_num_batched_tokens + sim.opt.page_size - 1) / sim.opt.page_size +
-                        sim.opt.max_batch_size;
+                        2 * sim.opt.max_batch_size;  // Engine::Impl::step_pages
     sim.device_frames = U(reserve, reserve + sim.opt.num_pages);
     const int host = std::max(1, sim.opt.num_pages + reserve - sim.device_frames + U(0, 3));
     sim.tiers = std::make_unique<TierMap>(sim.device_frames, host, sim.opt.num_pages);

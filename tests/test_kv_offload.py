@@ -37,7 +37,7 @@ def test_contexts_8x_the_device_pool_equal_the_run_without_a_host_tier(build, fr
     st = gen.stats()
     assert st["device_pages"] == 10 and st["kv_bytes"] == M.kv_bytes(folder, 10, PS)
     assert st["kv_host_bytes"] == M.kv_bytes(folder, 200, PS)
-    assert st["total_pages"] == 10 + 200 - (16 // PS + 2)  # a step's pages are held back
+    assert st["total_pages"] == 10 + 200 - (16 // PS + 2 * 2)  # a step's pages are held back
     assert st["pages_on_device"] <= 10
     assert st["kv_bytes_to_host"] >= 70 * M.kv_bytes(folder, 1, PS)  # the 310-token prompt's pages went out
     assert st["pages_on_host"] > 0  # the prompts' cached pages
@@ -80,7 +80,7 @@ def test_sparse_attention_over_both_tiers(build, fresh_gen):
 
 
 def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, idle):
-    """Short prompts growing long outputs through a pool of 20 pages (10 on the device): requests are preempted and
+    """Short prompts growing long outputs through a pool of 20 pages (14 on the device): requests are preempted and
     recompute, one is cancelled mid-way; the others give the output they give alone, and every page is free at the
     end."""
     import numpy as np
@@ -91,8 +91,8 @@ def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, id
     prompts = [M.random_prompt(rng, int(rng.integers(8, 13)), info["vocab_size"], info["specials"]) for _ in range(5)]
     ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400)
     want = [ref.generate([p], max_tokens=40, **GREEDY)[0].token_ids for p in prompts]
-    kw = offload_kwargs(folder, device_pages=10, host_pages=18)
-    kw["max_batch_size"] = 4  # a step's pages: 16 / 4 + 4 = 8
+    kw = offload_kwargs(folder, device_pages=14, host_pages=18)
+    kw["max_batch_size"] = 4  # a step's pages: 16 / 4 + 2 x 4 = 12
     gen = fresh_gen(folder, **kw)
     assert gen.stats()["total_pages"] == 20
     reqs = [gen.submit(p, max_tokens=40, **GREEDY) for p in prompts]
@@ -116,8 +116,10 @@ def test_offload_arguments(build):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_offload_memory=1.5))
     with pytest.raises(ValueError, match="host memory available"):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_offload_memory=2**62))
-    with pytest.raises(ValueError, match="one step writes"):  # 4 device pages cannot hold a step's 6
+    with pytest.raises(ValueError, match="one step writes"):  # 4 device pages cannot hold a step's 8
         qwen_rt.Generator(str(folder), **offload_kwargs(folder, device_pages=4, host_pages=20))
+    with pytest.raises(ValueError, match="synthetic_prefill with kv_offload_memory"):
+        qwen_rt.Generator(str(folder), synthetic_prefill=True, **offload_kwargs(folder, device_pages=12, host_pages=20))
 
 
 @pytest.mark.cuda

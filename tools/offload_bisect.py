@@ -42,7 +42,7 @@ def child(folder: Path, graphs: str, chunk: int, sparse: bool) -> int:
     want = [c.token_ids for c in ref.generate(prompts, max_tokens=10, temperature=0, ignore_eos=True)]
     want_alone = [ref.generate([p], max_tokens=10, temperature=0, ignore_eos=True)[0].token_ids for p in prompts]
     ref.close()
-    reserve = chunk // 16 + 2
+    reserve = chunk // 16 + 2 * 2  # a step's pages (Engine::Impl::step_pages)
     rows = (reserve + 2 + 4) * 17 if sparse else (reserve + 2) * 16  # the host pages' summaries: 4 pages of 17
     gen = qwen_rt.Generator(str(folder), kv_cache_memory=M.kv_bytes(folder, 1, 1) * rows,
                             kv_offload_memory=M.kv_bytes(folder, 60, 16), **base)

@@ -164,13 +164,14 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<TierMap> tiers;  // with a host tier (kv_offload_memory)
-  // The most pages one step writes: its tokens' pages, and one more per sequence that starts inside a page.
   // State models with speculation: the states verification keeps to roll back to (StateCache, after the snapshots).
   int kept_states() const { return opt.speculative_tokens * opt.speculative_max_batch; }
   // Rows of a step that sample: one per sequence, and one per draft token.
   int logit_rows() const { return opt.max_batch_size + opt.speculative_tokens * opt.speculative_max_batch; }
+  // The most pages one step writes: its tokens' pages, and two more per sequence (one that starts inside a page and
+  // ends inside another).
   int64_t step_pages() const {
-    return (int64_t(opt.max_num_batched_tokens) + opt.page_size - 1) / opt.page_size + opt.max_batch_size;
+    return (int64_t(opt.max_num_batched_tokens) + opt.page_size - 1) / opt.page_size + 2 * int64_t(opt.max_batch_size);
   }
 
   mutable std::mutex mu;
@@ -325,6 +326,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   "this model has none (config.json: mtp_num_hidden_layers)");
   }
   if (opt.synthetic_prefill) opt.prefix_caching = false;  // stand-in K/V are no prefix's
+  // Stand-in pages get no frame in a host tier (a page has one once a step writes it): not combined yet.
+  QRT_CHECK_ARG(!(opt.synthetic_prefill && opt.kv_offload_memory > 0),
+                "synthetic_prefill with kv_offload_memory is not supported");
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
@@ -454,7 +458,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     const int64_t reserve = step_pages();
     QRT_CHECK_ARG(pages >= reserve, "kv_offload_memory: the device KV pool (", std::max<int64_t>(pages, 0),
                   " pages) must hold the pages one step writes (", reserve, ": max_num_batched_tokens / page_size + ",
-                  "max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
+                  "2 x max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
     logical = pages + host_pages - reserve;
   }
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");

@@ -117,6 +117,7 @@ void Scheduler::preempt(Request* r) {
   QRT_CHECK(it != running_.end(), "preempt: request not running");
   std::unique_ptr<Request> own = std::move(*it);
   running_.erase(it);
+  own->draft.clear();  // guessed for a position it will not decode from next
   name_pages(*own, own->computed);  // cached: its recomputation takes them back if nothing reused them
   slots_.release(own->slot, pool_);
   own->slot = -1;

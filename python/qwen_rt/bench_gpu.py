@@ -275,9 +275,10 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
         synthetic = bool(synthetic_from) and n >= synthetic_from
         for budget in [0] + list(budgets):
             sparse = SparseAttention(budget_tokens=budget) if budget else None
+            # (Stand-in pages have no host frames: synthetic contexts run without the host tier.)
             g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
-                     enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_offload_memory=offload or None,
-                     synthetic_prefill=synthetic)
+                     enable_prefix_caching=not synthetic, sparse_attention=sparse,
+                     kv_offload_memory=None if synthetic else offload or None, synthetic_prefill=synthetic)
             try:
                 p = _prompts(rng, 1, n, g.config["vocab_size"])
                 kw = dict(ignore_eos=True, temperature=0)
