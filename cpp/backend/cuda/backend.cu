@@ -304,8 +304,6 @@ void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, 
   const int64_t M = x.rows, N = w.rows, K = w.cols;
   if (M == 0 || N == 0) return;
   const DType t = x.dtype;
-  const int64_t es = int64_t(dtype_size(t));
-  const int64_t bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
   // Decode: a memory-bound GEMV.
   if (w.dtype == t && launch_gemv(x, w, bias, out, accumulate ? GemvEpilogue::Add : GemvEpilogue::Store, nullptr,
                                   num_sms_, stream_))
@@ -328,15 +326,24 @@ void CudaBackend::matmul(const Tensor& x, const Linear& lw, const Tensor* bias, 
       launch_add_bias(out, *bias, stream_);
     return;
   }
-  // Weights of another dtype: convert row blocks into scratch, one GEMM per block.
+  // Weights of another dtype: converted row blocks.
+  gemm_row_blocks(x, N, bias, out, accumulate, "linear weight conversion", [&](int64_t n0, Tensor& dst) {
+    launch_convert(w.row_slice(n0, dst.rows), dst, stream_);
+  });
+}
+
+template <typename Fill>
+void CudaBackend::gemm_row_blocks(const Tensor& x, int64_t N, const Tensor* bias, Tensor& out, bool accumulate,
+                                  const char* what, Fill&& fill) {
+  const DType t = x.dtype;
+  const int64_t M = x.rows, K = x.cols, es = int64_t(dtype_size(t)), bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
   int64_t rows_per = std::max<int64_t>(64, (int64_t(64) << 20) / std::max<int64_t>(1, K * es) / 64 * 64);
   rows_per = std::min(rows_per, N);
-  void* buf = scratch(w_conv_, size_t(rows_per * K * es), "linear weight conversion");
+  void* buf = scratch(w_conv_, size_t(rows_per * K * es), what);
   for (int64_t n0 = 0; n0 < N; n0 += rows_per) {
     const int64_t nc = std::min(rows_per, N - n0);
-    Tensor src = w.row_slice(n0, nc);
     Tensor dst(buf, t, nc, K);
-    launch_convert(src, dst, stream_);
+    fill(n0, dst);
     Tensor o = out.col_slice(n0, nc);
     const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
     if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_,
@@ -391,24 +398,9 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
       return;
     }
   }
-  // Otherwise: row blocks dequantized into scratch of x's dtype, one cuBLASLt GEMM each.
-  const DType t = x.dtype;
-  const int64_t es = int64_t(dtype_size(t)), bes = bias ? int64_t(dtype_size(bias->dtype)) : 0;
-  int64_t rows_per = std::max<int64_t>(64, (int64_t(64) << 20) / std::max<int64_t>(1, K * es) / 64 * 64);
-  rows_per = std::min(rows_per, N);
-  void* buf = scratch(w_conv_, size_t(rows_per * K * es), "linear weight dequantization");
-  for (int64_t n0 = 0; n0 < N; n0 += rows_per) {
-    const int64_t nc = std::min(rows_per, N - n0);
-    Tensor dst(buf, t, nc, K);
-    launch_dequantize_fp8(lw, n0, dst, stream_);
-    Tensor o = out.col_slice(n0, nc);
-    const void* bp = bias ? static_cast<const char*>(bias->data) + n0 * bes : nullptr;
-    if (!gemm_.run(t, M, nc, K, x.data, x.stride, buf, K, o.data, o.stride, bp, bias ? bias->dtype : t, stream_,
-                   out.dtype, accumulate)) {
-      Tensor bs(const_cast<void*>(bp), bias->dtype, 1, nc);
-      launch_add_bias(o, bs, stream_);
-    }
-  }
+  // Otherwise: row blocks dequantized into x's dtype.
+  gemm_row_blocks(x, N, bias, out, accumulate, "linear weight dequantization",
+                  [&](int64_t n0, Tensor& dst) { launch_dequantize_fp8(lw, n0, dst, stream_); });
 }
 
 int CudaBackend::fp8_w8a8(const Tensor& x, const Linear& lw) const {

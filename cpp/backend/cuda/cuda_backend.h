@@ -106,6 +106,11 @@ class CudaBackend final : public Backend {
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
   void matmul_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);
+  // out (+)= x @ w^T (+ bias) for weights not in x's dtype: fill(n0, dst) makes rows [n0, n0 + dst.rows) of w in x's
+  // dtype in scratch (what: its name), at most 64 MiB at a time, one cuBLASLt GEMM each (backend.cu).
+  template <typename Fill>
+  void gemm_row_blocks(const Tensor& x, int64_t N, const Tensor* bias, Tensor& out, bool accumulate, const char* what,
+                       Fill&& fill);
   // Whether matmul_fp8 takes the W8A8 GEMM for x: 0 no, 1 with the weights as cuBLASLt's A, 2 the activations.
   int fp8_w8a8(const Tensor& x, const Linear& w) const;
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its

@@ -50,8 +50,8 @@ void LtGemm::init(size_t workspace_bytes) {
   check(cudaMalloc(&workspace_, ws_bytes_), "cuBLASLt workspace");
 }
 
-LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
-                           int64_t ldo, int al_x, int al_w, int al_o, int bias_t, DType out_t) {
+template <typename Build>
+LtGemm::Plan& LtGemm::plan(const Key& k, Build&& build) {
   auto it = plans_.find(k);
   if (it != plans_.end()) return it->second;
   if (plans_.size() >= kMaxPlans) {  // every prefill token count is a shape: start over rather than grow for ever
@@ -60,7 +60,7 @@ LtGemm::Plan& LtGemm::plan(const Key& k, DType t, int64_t M, int64_t N, int64_t 
   }
   Plan& p = plans_[k];
   try {
-    build_plan(p, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bias_t, out_t);
+    build(p);
   } catch (...) {  // no half-built plan stays to be found by the next call of this shape
     destroy(p);
     plans_.erase(k);
@@ -87,22 +87,7 @@ void LtGemm::build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64
   lt_check(cublasLtMatrixLayoutCreate(&p.a, ct, uint64_t(K), uint64_t(N), ldw), "layout w");
   lt_check(cublasLtMatrixLayoutCreate(&p.b, ct, uint64_t(K), uint64_t(M), ldx), "layout x");
   lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(N), uint64_t(M), ldo), "layout out");
-  cublasLtMatmulPreference_t pref = nullptr;
-  lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
-  uint64_t ws = ws_bytes_;
-  uint32_t ax = uint32_t(al_x), aw = uint32_t(al_w), ao = uint32_t(al_o);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ao, sizeof(ao));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao));
-  cublasLtMatmulHeuristicResult_t res{};
-  int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (p.ok) p.algo = res.algo;
+  find_algo(p, al_w, al_x, al_o);
 }
 
 void LtGemm::build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t,
@@ -154,26 +139,12 @@ bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const floa
   if (M == 0 || N == 0) return true;
   const int al_x = alignment(x8, K), al_w = alignment(w8, ldw), al_o = alignment(out, ldo * int64_t(dtype_size(out_t)));
   // Keyed apart from the 16-bit plans by a dtype no 16-bit plan has (F8E4M3), and by the orientation.
-  Key k{int(DType::F8E4M3), M, N, K, x_first ? 1 : 0, ldw, ldo, al_x, al_w, al_o, -1, int(out_t)};
-  auto it = plans_.find(k);
-  if (it == plans_.end()) {
-    if (plans_.size() >= kMaxPlans) {
-      for (auto& kv : plans_) destroy(kv.second);
-      plans_.clear();
-    }
-    Plan& p = plans_[k];
-    try {
-      build_fp8_plan(p, M, N, K, ldw, ldo, out_t, x_first);
-      if (x_first) find_algo(p, al_x, al_w, al_o);
-      else find_algo(p, al_w, al_x, al_o);
-    } catch (...) {
-      destroy(p);
-      plans_.erase(k);
-      throw;
-    }
-    it = plans_.find(k);
-  }
-  Plan& p = it->second;
+  const Key k{int(DType::F8E4M3), M, N, K, x_first ? 1 : 0, ldw, ldo, al_x, al_w, al_o, -1, int(out_t)};
+  Plan& p = plan(k, [&](Plan& q) {
+    build_fp8_plan(q, M, N, K, ldw, ldo, out_t, x_first);
+    if (x_first) find_algo(q, al_x, al_w, al_o);
+    else find_algo(q, al_w, al_x, al_o);
+  });
   if (!p.ok) return false;
   const float* a_scale = x_first ? x_scale : w_scale;
   const float* b_scale = x_first ? w_scale : x_scale;
@@ -200,11 +171,14 @@ bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_
   const bool want_bias = bias && reinterpret_cast<uintptr_t>(bias) % 16 == 0;
   const int bt = want_bias ? int(bias_t) : -1;
   Key k{int(t), M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt, int(out_t)};
-  Plan* p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bt, out_t);
+  auto build = [&](int bias_type) {
+    return [&, bias_type](Plan& q) { build_plan(q, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, bias_type, out_t); };
+  };
+  Plan* p = &plan(k, build(bt));
   bool bias_done = want_bias;
   if (!p->ok && want_bias) {
     std::get<10>(k) = -1;
-    p = &plan(k, t, M, N, K, ldx, ldw, ldo, al_x, al_w, al_o, -1, out_t);
+    p = &plan(k, build(-1));
     bias_done = false;
   }
   QRT_CHECK(p->ok, "cuda linear: cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K, " dtype ",

@@ -43,8 +43,9 @@ class LtGemm {
     cublasLtMatmulAlgo_t algo{};
     bool ok = false;
   };
-  Plan& plan(const Key& k, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
-             int al_x, int al_w, int al_o, int bias_t, DType out_t);
+  // The plan of k, built by build(Plan&) (its descriptors, then find_algo) on first use (gemm.cu).
+  template <typename Build>
+  Plan& plan(const Key& k, Build&& build);
   void build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
                   int al_x, int al_w, int al_o, int bias_t, DType out_t);
   void build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t, bool x_first);
