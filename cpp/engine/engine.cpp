@@ -164,6 +164,7 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<TierMap> tiers;  // with a host tier (kv_offload_memory)
+  size_t host_page_bytes = 0;      // a page's K/V rows in the host tier (per rank)
   // State models with speculation: the states verification keeps to roll back to (StateCache, after the snapshots).
   int kept_states() const { return opt.speculative_tokens * opt.speculative_max_batch; }
   // Rows of a step that sample: one per sequence, and one per draft token.
@@ -277,6 +278,9 @@ struct Engine::Impl {
   // Speculation, after plan's step: the MTP head's passes give each running request of it that decodes next its
   // draft (Request::draft); the first pass also writes the MTP layer's K/V of every position the step confirmed.
   void draft(const Plan& plan);
+  // With a host tier: in's pages as frames (TierMap::prepare) and the moves that give its written pages device frames,
+  // counted in the stats.
+  PageMoves to_frames(StepInput& in);
   // The request's end in its channel (under mu).
   void end_channel(const Request& r, Finish f, const std::string& error = "");
   // A request out of the scheduler, kept until the step in flight is done (loop thread, or the loop stopped).
@@ -490,9 +494,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   if (tiers) sched->pool().track_drops();
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
-  snapshot.kv_host_bytes = host_pages > 0
-      ? KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt) *
-            size_t(host_pages) : 0;
+  host_page_bytes = KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
+  snapshot.kv_host_bytes = host_page_bytes * size_t(host_pages);
   snapshot.device_pages = int(pages);
   snapshot.state_bytes = state_bytes;
   update_snapshot();
@@ -682,14 +685,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   PageMoves moves;
   if (tiers) {
     framed = p.input;
-    moves = tiers->prepare(framed, sched->pool().take_dropped(), opt.page_size);
-    const size_t page_bytes = KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size,
-                                                           ranks[0].model->kv_cols(), ranks[0].be->kv_dtype());
-    std::lock_guard<std::mutex> lk(mu);
-    snapshot.kv_bytes_to_host += int64_t(moves.out.size() * page_bytes);
-    snapshot.kv_bytes_to_device += int64_t(moves.in.size() * page_bytes);
-    snapshot.pages_on_device = tiers->on_device();
-    snapshot.pages_on_host = tiers->on_host();
+    moves = to_frames(framed);
   }
   const StepInput& input = tiers ? framed : p.input;
   Tensor logits;
@@ -744,8 +740,7 @@ SampleRow Engine::Impl::sample_row(const Request& q, int ahead, bool& needs_toke
   row.seed = q.seed;
   row.draw = int64_t(q.output.size()) + ahead;
   row.num_logprobs = o.logprobs;
-  const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
-  needs_tokens = needs_tokens || penalties;
+  needs_tokens = needs_tokens || o.penalized();
   if (o.repetition_penalty != 1.0f) {
     std::set<int32_t> seen(q.prompt.begin(), q.prompt.end());
     seen.insert(q.output.begin(), q.output.end());
@@ -818,12 +813,22 @@ void Engine::Impl::complete(std::unique_ptr<Flight> f) {
   if (opt.speculative_tokens > 0) draft(f->plan);
 }
 
+PageMoves Engine::Impl::to_frames(StepInput& in) {
+  PageMoves moves = tiers->prepare(in, sched->pool().take_dropped(), opt.page_size);
+  std::lock_guard<std::mutex> lk(mu);
+  snapshot.kv_bytes_to_host += int64_t(moves.out.size() * host_page_bytes);
+  snapshot.kv_bytes_to_device += int64_t(moves.in.size() * host_page_bytes);
+  snapshot.pages_on_device = tiers->on_device();
+  snapshot.pages_on_host = tiers->on_host();
+  return moves;
+}
+
 void Engine::Impl::draft(const Plan& plan) {
   const int k = opt.speculative_tokens, ps = opt.page_size;
   // One pass over `in` on every rank (its pages as frames with a host tier), then each logit row's greedy token.
   auto pass = [&](StepInput& in, const std::vector<int32_t>& hidden, bool from_draft) {
     PageMoves moves;
-    if (tiers) moves = tiers->prepare(in, sched->pool().take_dropped(), ps);
+    if (tiers) moves = to_frames(in);
     Tensor logits;
     on_ranks([&](int r, Rank& rk) {
       if (!moves.empty()) rk.kv->move(moves);
@@ -883,12 +888,11 @@ void Engine::Impl::draft(const Plan& plan) {
     seqs.push_back(&q);
     for (int j = 0; j < confirmed; ++j) hidden.push_back(row0 + j);
     const SamplingOptions& o = q.opts;
-    const bool penalties = o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
     int room = std::min(o.max_tokens - int(q.output.size()), opt.max_model_len - q.length()) - 1;
     // With sparse decode, verification rows attend to every page (selection is per sequence, for one-row decodes):
     // drafts stop where the plain run would start selecting, so the output stays the plain run's.
     if (sparse.budget_pages > 0) room = std::min(room, sparse.budget_pages * ps - q.length());
-    if (q.computed != q.length() - 1 || !o.speculative || penalties || room < 1 ||
+    if (q.computed != q.length() - 1 || !o.speculative || o.penalized() || room < 1 ||
         int(drafters.size()) >= opt.speculative_max_batch)
       continue;
     // Pages for the positions the drafts' passes and the next step write.

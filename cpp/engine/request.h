@@ -23,6 +23,10 @@ struct SamplingOptions {
   std::vector<int32_t> stop_token_ids;
   std::vector<int32_t> eos_token_ids;
   bool speculative = true;      // drafts from the MTP head when the engine speculates (and no penalty is set)
+  // Repetition, presence or frequency penalties: the sampling reads the output's tokens.
+  bool penalized() const {
+    return repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
+  }
 };
 
 enum class Finish { None, Stop, Length, Cancelled, Error };
