@@ -11,34 +11,15 @@ import pytest
 
 import models as M
 from qwen_rt import _core
+from test_cpu_ops import make_attn_case
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def make_case(rng, seqs, ps, qh, kvh, hd, garbage=30.0):
-    """seqs: (q_len, ctx_len) per sequence. Pages handed out shuffled; rows no sequence holds are large garbage."""
-    need = [-(-L // ps) for _, L in seqs]
-    P = max(need) + 1
-    total = sum(need) + 2
-    perm = rng.permutation(total).astype(np.int32)
-    pt = np.zeros((len(seqs), P), np.int32)
-    off = 0
-    for s, n in enumerate(need):
-        pt[s, :n] = perm[off:off + n]
-        pt[s, n:] = perm[(off + n) % total]
-        off += n
-    width = kvh * hd
-    kc = (rng.standard_normal((total * ps, width)) * garbage).astype(np.float32)
-    vc = (rng.standard_normal((total * ps, width)) * garbage).astype(np.float32)
-    q_start = np.zeros(len(seqs) + 1, np.int32)
-    for s, (ql, L) in enumerate(seqs):
-        q_start[s + 1] = q_start[s] + ql
-        for p in range(L):
-            r = pt[s, p // ps] * ps + p % ps
-            kc[r] = rng.standard_normal(width)
-            vc[r] = rng.standard_normal(width)
-    q = rng.standard_normal((int(q_start[-1]), qh * hd)).astype(np.float32)
-    ctx = np.array([L for _, L in seqs], np.int32)
+def make_case(rng, seqs, ps, qh, kvh, hd):
+    """seqs: (q_len, ctx_len) per sequence: test_cpu_ops' attention case (pages handed out shuffled, rows no sequence
+    holds large garbage), its cache holding every context token: (q, k_cache, v_cache, q_start, ctx_len, page_table)."""
+    q, _, _, kc, vc, q_start, ctx, pt, _ = make_attn_case(rng, seqs, ps, qh, kvh, hd)
     return q, kc, vc, q_start, ctx, pt
 
 
@@ -257,7 +238,7 @@ def test_cuda_select_pages_matches_cpu(cpu, act, qh, kvh, hd, ps):
     rng = np.random.default_rng(hd + ps)
     scale = 1 / math.sqrt(hd)
     for seqs in [[(1, 70 * ps)], [(1, 40 * ps + 3), (1, 9 * ps), (7, 30 * ps), (1, 2000)]]:
-        case = list(make_case(rng, seqs, ps, qh, kvh, hd, garbage=1e3))
+        case = list(make_case(rng, seqs, ps, qh, kvh, hd))
         q, kc, vc = (round_to(a, act) for a in case[:3])
         case[:3] = q, kc, vc
         args = (q, kc, vc, *case[3:], ps, qh, kvh, hd, scale, 24, 2, 4)
