@@ -595,10 +595,12 @@ def attention_layers(folder) -> int:
     return n
 
 
-def kv_bytes(folder, pages: int, page_size: int = 16, dtype_bytes: int = 4) -> int:
-    """Bytes of a KV pool of `pages` pages: K and V for every attention layer, fp32."""
+def kv_bytes(folder, pages: int, page_size: int = 16, dtype_bytes: int = 4, fp8: bool = False) -> int:
+    """Bytes of a KV pool of `pages` pages: K and V for every attention layer, fp32 (or dtype_bytes an element; fp8:
+    1 byte an element and a 4-byte scale per token and kv head)."""
     i = model_info(folder)
-    return pages * page_size * attention_layers(folder) * 2 * i["kv_heads"] * i["head_dim"] * dtype_bytes
+    row = i["kv_heads"] * (i["head_dim"] + 4) if fp8 else i["kv_heads"] * i["head_dim"] * dtype_bytes
+    return pages * page_size * attention_layers(folder) * 2 * row
 
 
 def pick_prompts(folder, seed: int, lengths, max_new: int, margin: float = MARGIN,

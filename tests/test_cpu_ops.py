@@ -364,6 +364,41 @@ def test_attention_16bit_cache(h, kv_dtype, qh, kvh, hd):
         close(out, ref, atol=2e-5)
 
 
+def e4m3_heads(x, heads):
+    """An fp8 KV cache's rows as attention reads them (ops.h KvLayer): per row and head s = amax / 448 (1 for zeros),
+    e4m3(x / s) * s in fp32 (torch's float8_e4m3fn rounding: nearest even; |x / s| <= 448 needs no saturation)."""
+    x = np.asarray(x, np.float32)
+    g = x.reshape(x.shape[0], heads, -1)
+    amax = np.abs(g).max(-1, keepdims=True)
+    s = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    q = torch.from_numpy(g / s).to(torch.float8_e4m3fn).float().numpy()
+    return (q * s).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qh,kvh,hd", [(4, 2, 24), (8, 2, 64), (2, 1, 128), (6, 1, 256)])
+def test_attention_fp8_cache(h, qh, kvh, hd):
+    """An fp8 KV cache: every row written (the cache's and the step's) holds e4m3 values with a scale per row and
+    head, exactly e4m3_heads of what was written; the output is attention over those values."""
+    rng = np.random.default_rng(17)
+    ps = 16
+    scale = 1.0 / math.sqrt(hd)
+    for seqs in ATTN_SEQS:
+        case = make_attn_case(rng, seqs, ps, qh, kvh, hd)
+        q, k, v, kc, vc, q_start, ctx, pt, kv_rows = case
+        z = next(r for r in range(len(kc)) if r not in set(kv_rows))
+        kc[z, :hd] = 0  # a head of zeros: scale 1, zeros back
+        out, kc_out, vc_out = h.attention(q, k, v, kc, vc, q_start, ctx, pt, kv_rows, ps, qh, kvh, hd, scale,
+                                          kv_dtype="float8_e4m3")
+        kq, vq = e4m3_heads(kc, kvh), e4m3_heads(vc, kvh)
+        kq[kv_rows], vq[kv_rows] = e4m3_heads(k, kvh), e4m3_heads(v, kvh)
+        assert np.array_equal(kc_out, kq) and np.array_equal(vc_out, vq)
+        assert not kc_out[z, :hd].any()
+        assert 0 < np.abs(kq - np.where(np.isin(np.arange(len(kc)), kv_rows)[:, None], 0, kc)).max()
+        ref, _, _ = ref_attention(q, kq[kv_rows], vq[kv_rows], kq, vq, q_start, ctx, pt, kv_rows, ps, qh, kvh, hd,
+                                  scale)
+        close(out, ref, atol=2e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 def test_qkv_attention_16bit_cache(h, kv_dtype):
     """The layer's attention from q|k|v with a 16-bit cache (q/k norm, RoPE, the new k / v rounded into the

@@ -512,15 +512,16 @@ def make_attn_case(rng, q_lens, ctx_lens, page_size, kv_heads, head_dim, act, sp
     )
 
 
-def run_attention(cpu, act, q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size, seed=0, qscale=2.0):
+def run_attention(cpu, act, q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size, seed=0, qscale=2.0,
+                  kv_dtype=""):
     rng = np.random.default_rng(seed)
     c = make_attn_case(rng, q_lens, ctx_lens, page_size, kv_heads, head_dim, act)
     q = rand(rng, (c["T"], q_heads * head_dim), -qscale, qscale, act)
     scale = 1.0 / math.sqrt(head_dim)
     args = (q, c["k"], c["v"], c["k_cache"], c["v_cache"], c["q_start"], c["ctx_len"], c["page_table"],
             c["kv_rows"], page_size, q_heads, kv_heads, head_dim, scale)
-    ref, kref, vref = (np.asarray(a) for a in cpu.attention(*args))
-    out, kout, vout = (np.asarray(a) for a in harness(DEVICE, act).attention(*args))
+    ref, kref, vref = (np.asarray(a) for a in cpu.attention(*args, kv_dtype=kv_dtype))
+    out, kout, vout = (np.asarray(a) for a in harness(DEVICE, act).attention(*args, kv_dtype=kv_dtype))
     assert np.array_equal(kout, kref) and np.array_equal(vout, vref), "write_kv differs"
     tol = 1e-5 if act == "float32" else TOL[act]
     err = rel(out, ref)
@@ -593,6 +594,17 @@ def test_attention_mixed(cpu, act, case, kernel, monkeypatch):
     run_attention(cpu, act, *case, seed=sum(case[0]))
 
 
+FP8_CACHE_CASES = DECODE_CASES[:5] + [DECODE_CASES[6]] + PREFILL_CASES[:6] + MIXED_CASES[:2] + [MIXED_CASES[4]]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", FP8_CACHE_CASES, ids=lambda c: f"{c[0][:3]}-{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
+def test_attention_fp8_cache(cpu, act, case):
+    """An fp8 KV cache (decode: the rows kernel; prefill: the tile kernel converting as it stages): the rows write_kv
+    quantizes equal the CPU's bit for bit (the same values in, the same rule), and the output is the CPU's."""
+    run_attention(cpu, act, *case, seed=7 + case[4], kv_dtype="float8_e4m3")
+
+
 QKV_ATTENTION_CASES = [
     # q_lens, ctx_lens, q_heads, kv_heads, head_dim, page_size, rot_dim, norm
     ([1], [1], 4, 4, 64, 16, 64, True),  # the new key alone
@@ -612,6 +624,20 @@ QKV_ATTENTION_CASES = [
 def test_qkv_attention(cpu, act, case):
     """finish_qkv + attention from the q|k|v projection (the decode kernel does both for 16-bit decode
     batches) against the CPU's composition: the output and the k / v written to the cache."""
+    check_qkv_attention(cpu, act, case, "")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", QKV_ATTENTION_CASES[:4] + QKV_ATTENTION_CASES[7:8],
+                         ids=lambda c: f"{len(c[0])}x{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-r{c[6]}")
+def test_qkv_attention_fp8_cache(cpu, act, case):
+    """The same into an fp8 cache (finish_qkv's fused kernel quantizes each head as it writes it): the CPU's cache
+    and output within fp8's rounding (a value the two backends' RoPE puts on either side of a rounding boundary
+    may take the neighbouring e4m3 value)."""
+    check_qkv_attention(cpu, act, case, "float8_e4m3")
+
+
+def check_qkv_attention(cpu, act, case, kv_dtype):
     q_lens, ctx_lens, hq, hkv, hd, page_size, rot_dim, norm = case
     rng = np.random.default_rng(len(q_lens) + hd + rot_dim)
     c = make_attn_case(rng, q_lens, ctx_lens, page_size, hkv, hd, act)
@@ -622,15 +648,17 @@ def test_qkv_attention(cpu, act, case):
     kw = rand(rng, (hd,), 0.5, 1.5) if norm else None
     args = (qkv, c["k_cache"], c["v_cache"], c["q_start"], c["ctx_len"], c["page_table"], c["kv_rows"], page_size,
             pos, table, hq, hkv, hd, 1.0 / math.sqrt(hd), qw, kw, 1e-6)
-    ref = [np.asarray(a) for a in cpu.qkv_attention(*args)]
-    out = [np.asarray(a) for a in harness(DEVICE, act).qkv_attention(*args)]
-    tol = 1e-5 if act == "float32" else TOL[act]
+    ref = [np.asarray(a) for a in cpu.qkv_attention(*args, kv_dtype=kv_dtype)]
+    out = [np.asarray(a) for a in harness(DEVICE, act).qkv_attention(*args, kv_dtype=kv_dtype)]
+    tol = 2e-2 if kv_dtype else 1e-5 if act == "float32" else TOL[act]
     for name, a, b in zip(("out", "k_cache", "v_cache"), out, ref):
         err = rel(a, b)
         assert err < tol, f"{name} rel err {err:.3g}"
     # The cache rows this step writes hold the new k / v (the rest unchanged).
     untouched = np.setdiff1d(np.arange(c["k_cache"].shape[0]), c["kv_rows"])
-    assert np.array_equal(out[1][untouched], np.asarray(c["k_cache"])[untouched])
+    assert np.array_equal(out[1][untouched], ref[1][untouched])
+    if not kv_dtype:
+        assert np.array_equal(out[1][untouched], np.asarray(c["k_cache"])[untouched])
 
 
 def test_attention_is_causal_and_uses_the_cache(cpu):

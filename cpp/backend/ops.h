@@ -55,19 +55,31 @@ struct RopeTable {
 
 // K/V storage of one attention layer: rows are cache slots (page * page_size + offset),
 // columns kv_heads * head_dim, both K and V in the KV dtype.
+// FP8 (dtype F8E4M3): each row's head_dim values x of one kv head are stored as e4m3(x / s), rounded to nearest
+// even, with their own scale s = amax|x| / 448 in fp32 (1 where all are zero) at k_scale[row * kv_heads + head]
+// (V: v_scale); attention reads the fp32 product q8 * s. A scale per (row, head), not per head of the layer: a
+// request's K/V, and so its output, do not depend on what other requests wrote before it.
 struct KvLayer {
   void* k = nullptr;
   void* v = nullptr;
   DType dtype = DType::F32;
   // Sparse decode's page summaries (null when off): rows 2 p and 2 p + 1 hold, per column, the min and the max of
-  // the keys page p holds so far ([2 * (pages + 1), kv_cols] in the KV dtype; summarize_pages keeps them).
+  // the keys page p holds so far ([2 * (pages + 1), kv_cols] in summary_dtype; summarize_pages keeps them).
   void* summary = nullptr;
+  DType summary_dtype = DType::F32;  // the KV dtype, or (FP8) the activations' dtype
   // Host tier (Generator(kv_offload_memory)): pages from host_page0 on are rows (page - host_page0) * page_size of
   // host_k and host_v, host memory the kernels read directly (Backend::alloc_host_tier). New K/V go to the device
   // tier only: a step writes no host page. Summaries cover the pages of both tiers.
   void* host_k = nullptr;
   void* host_v = nullptr;
   int host_page0 = 0x7fffffff;
+  // FP8 only: the scales of each tier, [rows, kv_heads] fp32, rows as k and v (host_*: as host_k and host_v).
+  int kv_heads = 0;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  float* host_k_scale = nullptr;
+  float* host_v_scale = nullptr;
+  bool fp8() const { return dtype == DType::F8E4M3; }
 };
 
 // One copy of copy_segments.

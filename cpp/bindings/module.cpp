@@ -73,6 +73,7 @@ NB_MODULE(_core, m) {
       .def_rw("device_index", &EngineOptions::device_index)
       .def_rw("weight_dtype", &EngineOptions::weight_dtype)
       .def_rw("act_dtype", &EngineOptions::act_dtype)
+      .def_rw("kv_cache_dtype", &EngineOptions::kv_cache_dtype)
       .def_rw("max_batch_size", &EngineOptions::max_batch_size)
       .def_rw("max_model_len", &EngineOptions::max_model_len)
       .def_rw("max_num_batched_tokens", &EngineOptions::max_num_batched_tokens)

@@ -91,6 +91,47 @@ class OpHarness {
   DType act() const { return be_->act_dtype(); }
   // A KV cache's dtype: the given one, or the activations' when empty.
   DType kv(const std::string& kv_dtype) const { return kv_dtype.empty() ? act() : parse_dtype(kv_dtype); }
+  // An attention layer's K/V cache on the device holding the rows kc and vc (fp32): converted to kvt, or (fp8) each
+  // row quantized by write_kv from the activations' dtype, with its scales.
+  struct Cache {
+    Dev k, v, k_scale, v_scale;
+    KvLayer layer;
+  };
+  Cache cache(const F32In& kc, const F32In& vc, DType kvt, int kv_heads) {
+    if (kvt != DType::F8E4M3) {
+      Cache c{up(kc, kvt), up(vc, kvt), {}, {}, {}};
+      c.layer = KvLayer{c.k.t.data, c.v.t.data, kvt};
+      return c;
+    }
+    auto [rows, cols] = shape2(kc);
+    Cache c{empty(rows, cols, kvt), empty(rows, cols, kvt), empty(rows, kv_heads, DType::F32),
+            empty(rows, kv_heads, DType::F32), {}};
+    c.layer = KvLayer{c.k.t.data, c.v.t.data, kvt};
+    c.layer.kv_heads = kv_heads;
+    c.layer.k_scale = c.k_scale.t.ptr<float>();
+    c.layer.v_scale = c.v_scale.t.ptr<float>();
+    if (rows == 0) return c;
+    Dev k = up(kc, act()), v = up(vc, act());
+    std::vector<int32_t> all(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) all[size_t(i)] = int32_t(i);
+    Dev idx = empty(1, rows, DType::I32);
+    be_->upload(idx.t.data, all.data(), all.size() * 4);
+    AttnBatch b;
+    b.num_tokens = int(rows);
+    b.kv_rows = idx.t.ptr<int32_t>();
+    be_->write_kv(k.t, v.t, b, c.layer);
+    be_->synchronize();
+    return c;
+  }
+  // K (or V) rows of a cache as attention reads them, fp32: fp8 values times their scales.
+  F32Out down_kv(const Dev& rows, const Dev& scales) {
+    if (rows.t.dtype != DType::F8E4M3) return down(rows.t);
+    F32Out q = down(rows.t), s = down(scales.t);
+    const int64_t R = rows.t.rows, C = rows.t.cols, H = scales.t.cols;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) q.data()[r * C + c] *= s.data()[r * H + c / (C / H)];
+    return q;
+  }
   // A norm's gain on the device: w, or ones when w is absent (a unit gain).
   Dev norm_gain(const std::optional<F32In>& w, int64_t cols) {
     if (w) return up(*w, DType::F32);
@@ -301,31 +342,32 @@ void bind_op_harness(nb::module_& m) {
            [](OpHarness& h, F32In q, F32In k, F32In v, F32In kc, F32In vc, I32In q_start, I32In ctx_len,
               I32In page_table, I32In kv_rows, int page_size, int hq, int hkv, int hd, float scale,
               const std::string& kv_dtype) {
-             const DType kvt = h.kv(kv_dtype);
              Dev qd = h.up(q, h.act()), kd = h.up(k, h.act()), vd = h.up(v, h.act());
-             Dev kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
+             OpHarness::Cache c = h.cache(kc, vc, h.kv(kv_dtype), hkv);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, qd.t.rows);
              const AttnBatch& b = batch.b;
-             KvLayer cache{kcd.t.data, vcd.t.data, kvt};
-             h.be().write_kv(kd.t, vd.t, b, cache);
+             h.be().write_kv(kd.t, vd.t, b, c.layer);
              Dev o = h.empty(qd.t.rows, qd.t.cols, h.act());
              AttnShape sh{hq, hkv, hd, scale};
-             h.be().attention(qd.t, cache, b, sh, o.t);
-             return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
+             h.be().attention(qd.t, c.layer, b, sh, o.t);
+             return std::make_tuple(h.down(o.t), h.down_kv(c.k, c.k_scale), h.down_kv(c.v, c.v_scale));
            }, "q"_a, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
            "page_size"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "kv_dtype"_a = "")
       .def("sparse_attention",
            [](OpHarness& h, F32In q, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
               int page_size, int hq, int hkv, int hd, float scale, int budget_pages, int sink_pages,
-              int window_pages) {
+              int window_pages, const std::string& kv_dtype) {
              // Summaries of every page the sequences hold (a batch writing all of their rows), then the lists
              // and the attention over them. Returns (out, pages [S * hkv, max_pages], keys [1, S * hkv],
              // summary [2 * cache pages, hkv * hd]).
-             const DType kvt = h.act();
-             Dev qd = h.up(q, h.act()), kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
-             const int64_t kv_cols = int64_t(hkv) * hd, cache_rows = kcd.t.rows;
+             Dev qd = h.up(q, h.act());
+             OpHarness::Cache c = h.cache(kc, vc, h.kv(kv_dtype), hkv);
+             const int64_t kv_cols = int64_t(hkv) * hd, cache_rows = c.k.t.rows;
              QRT_CHECK_ARG(cache_rows % page_size == 0, "cache rows must be whole pages");
-             Dev sum = h.empty(2 * (cache_rows / page_size), kv_cols, kvt);
+             KvLayer cache = c.layer;
+             cache.summary_dtype = c.layer.fp8() ? h.act() : c.layer.dtype;
+             Dev sum = h.empty(2 * (cache_rows / page_size), kv_cols, cache.summary_dtype);
+             cache.summary = sum.t.data;
              const int S = int(ctx_len.size()), P = S ? int(page_table.size()) / S : 0;
              std::vector<int32_t> rows;
              for (int si = 0; si < S; ++si)
@@ -333,7 +375,6 @@ void bind_op_harness(nb::module_& m) {
                  rows.push_back(page_table.data()[size_t(si) * P + j / page_size] * page_size + j % page_size);
              Dev rows_d = h.empty(1, std::max<int64_t>(1, int64_t(rows.size())), DType::I32);
              if (!rows.empty()) h.be().upload(rows_d.t.data, rows.data(), rows.size() * 4);
-             KvLayer cache{kcd.t.data, vcd.t.data, kvt, sum.t.data};
              AttnBatch all;
              all.num_tokens = int(rows.size());
              all.kv_rows = rows_d.t.ptr<int32_t>();
@@ -355,7 +396,8 @@ void bind_op_harness(nb::module_& m) {
              h.be().attention(qd.t, cache, b, sh, o.t);
              return std::make_tuple(h.down(o.t), h.down_ids(pages.t), h.down_ids(keys.t), h.down(sum.t));
            }, "q"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "page_size"_a,
-           "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "budget_pages"_a, "sink_pages"_a, "window_pages"_a)
+           "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a, "budget_pages"_a, "sink_pages"_a, "window_pages"_a,
+           "kv_dtype"_a = "")
       .def("finish_qkv",
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In kv_rows, I32In positions, F32In cs, int hq, int hkv,
               int hd, std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps) {
@@ -379,8 +421,8 @@ void bind_op_harness(nb::module_& m) {
            [](OpHarness& h, F32In qkv, F32In kc, F32In vc, I32In q_start, I32In ctx_len, I32In page_table,
               I32In kv_rows, int page_size, I32In positions, F32In cs, int hq, int hkv, int hd, float scale,
               std::optional<F32In> q_norm, std::optional<F32In> k_norm, float eps, const std::string& kv_dtype) {
-             const DType kvt = h.kv(kv_dtype);
-             Dev x = h.up(qkv, h.act()), kcd = h.up(kc, kvt), vcd = h.up(vc, kvt);
+             Dev x = h.up(qkv, h.act());
+             OpHarness::Cache c = h.cache(kc, vc, h.kv(kv_dtype), hkv);
              const auto batch = h.batch(q_start, ctx_len, page_table, kv_rows, page_size, x.t.rows);
              const AttnBatch& b = batch.b;
              Dev pd = h.up_ids(positions), cd = h.up(cs, DType::F32);
@@ -389,11 +431,10 @@ void bind_op_harness(nb::module_& m) {
              if (k_norm) kn = h.up(*k_norm, DType::F32);
              AttnShape sh{hq, hkv, hd, scale};
              RopeTable tab{cd.t.ptr<float>(), int(cd.t.cols), int(cd.t.rows)};
-             KvLayer cache{kcd.t.data, vcd.t.data, kvt};
              Dev o = h.empty(x.t.rows, int64_t(hq) * hd, h.act());
              h.be().qkv_attention(x.t, sh, qn ? &qn->t : nullptr, kn ? &kn->t : nullptr, eps, false,
-                                  pd.t.ptr<int32_t>(), tab, b, cache, o.t);
-             return std::make_tuple(h.down(o.t), h.down(kcd.t), h.down(vcd.t));
+                                  pd.t.ptr<int32_t>(), tab, b, c.layer, o.t);
+             return std::make_tuple(h.down(o.t), h.down_kv(c.k, c.k_scale), h.down_kv(c.v, c.v_scale));
            }, "qkv"_a, "k_cache"_a, "v_cache"_a, "q_start"_a, "ctx_len"_a, "page_table"_a, "kv_rows"_a,
            "page_size"_a, "positions"_a, "cos_sin"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "scale"_a,
            "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, "kv_dtype"_a = "")

@@ -373,7 +373,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   on_ranks([&](int r, Rank& rk) {
     rk.be = cuda ? make_cuda_backend(opt.device_index + r, adt) : make_cpu_backend(std::max(1, cores / n), cpu_kv);
   }, kNoLimit);
-  const DType kvdt = ranks[0].be->kv_dtype();
+  QRT_CHECK_ARG(opt.kv_cache_dtype == "auto" || opt.kv_cache_dtype == "fp8", "kv_cache_dtype must be 'auto' or ",
+                "'fp8', got '", opt.kv_cache_dtype, "'");
+  const DType kvdt = opt.kv_cache_dtype == "fp8" ? DType::F8E4M3 : ranks[0].be->kv_dtype();
   fit_memory(default_len, wdt, adt, kvdt);
   // Communicators.
   QRT_CHECK_ARG(opt.comm == "auto" || (opt.comm == "nccl" && cuda), "comm must be 'auto', or 'nccl' on CUDA, got '",
@@ -417,8 +419,15 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   size_t(opt.max_batch_size + 1 + opt.state_snapshots + kept_states());
   }
   // KV pool: the same number of pages on every rank.
-  const size_t bpp =
-      KvCache::bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt, lim.sparse.budget_pages > 0);
+  KvFormat kvf;
+  kvf.layers = cfg.num_kv_layers();
+  kvf.page_size = opt.page_size;
+  kvf.kv_heads = ranks[0].model->kv_cols() / std::max(1, cfg.head_dim);
+  kvf.head_dim = cfg.head_dim;
+  kvf.dtype = kvdt;
+  kvf.summaries = lim.sparse.budget_pages > 0;
+  kvf.summary_dtype = KvFormat::summary_dtype_for(kvdt, ranks[0].be->act_dtype());
+  const size_t bpp = kvf.page_bytes();
   // Memory free now on the rank with the least (CPU ranks share one memory).
   size_t free_b = SIZE_MAX;
   const Backend* least = nullptr;
@@ -453,11 +462,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   int64_t host_pages = 0, logical = pages;
   if (opt.kv_offload_memory > 0) {
     QRT_CHECK_ARG(bpp > 0, "kv_offload_memory: this model has no attention layer (no K/V to offload)");
-    const int L = cfg.num_kv_layers(), cols = ranks[0].model->kv_cols();
-    host_pages = opt.kv_offload_memory / int64_t(KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt));
+    host_pages = opt.kv_offload_memory / int64_t(kvf.host_page_bytes());
     QRT_CHECK_ARG(host_pages >= 1, "kv_offload_memory (", opt.kv_offload_memory, " bytes) holds no page: one needs ",
-                  KvCache::host_bytes_per_page(L, opt.page_size, cols, kvdt), " bytes per rank");
-    const int64_t sbpp = int64_t(KvCache::summary_bytes_per_page(L, cols, kvdt, sparse.budget_pages > 0));
+                  kvf.host_page_bytes(), " bytes per rank");
+    const int64_t sbpp = int64_t(kvf.summary_page_bytes());
     pages -= (host_pages * sbpp + int64_t(bpp) - 1) / int64_t(bpp);
     const int64_t reserve = step_pages();
     QRT_CHECK_ARG(pages >= reserve, "kv_offload_memory: the device KV pool (", std::max<int64_t>(pages, 0),
@@ -468,8 +476,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(logical < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, cfg.num_kv_layers(), int(pages), int(host_pages), opt.page_size,
-                                      rk.model->kv_cols(), kvdt, sparse.budget_pages > 0);
+    rk.kv = std::make_unique<KvCache>(*rk.be, kvf, int(pages), int(host_pages));
     if (opt.synthetic_prefill) rk.kv->fill_random(opt.seed ^ 0x5717e71cull);
     rk.be->synchronize();
   }, kNoLimit);
@@ -494,7 +501,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   if (tiers) sched->pool().track_drops();
   snapshot.weight_bytes = ranks[0].model->weight_bytes();
   snapshot.kv_bytes = bpp * size_t(pages);
-  host_page_bytes = KvCache::host_bytes_per_page(cfg.num_kv_layers(), opt.page_size, ranks[0].model->kv_cols(), kvdt);
+  host_page_bytes = kvf.host_page_bytes();
   snapshot.kv_host_bytes = host_page_bytes * size_t(host_pages);
   snapshot.device_pages = int(pages);
   snapshot.state_bytes = state_bytes;

@@ -16,6 +16,8 @@ struct EngineOptions {
   int device_index = 0;            // first device (CUDA); rank r uses device_index + r
   std::string weight_dtype = "float32";
   std::string act_dtype = "float32";
+  std::string kv_cache_dtype = "auto";  // "auto" (the backend's: CPU fp32 or the 16-bit weights', CUDA the
+                                        // activations') or "fp8" (e4m3 with a scale per row and kv head, ops.h KvLayer)
   int max_batch_size = 32;
   int max_model_len = 0;           // 0: config max_position_embeddings, capped by the KV pool
   int max_num_batched_tokens = 2048;

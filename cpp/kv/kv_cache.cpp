@@ -4,84 +4,100 @@
 
 namespace qrt {
 
-KvCache::KvCache(Backend& be, int layers, int pages, int host_pages, int page_size, int kv_cols, DType dtype,
-                 bool summaries)
-    : be_(be), layers_(layers), pages_(pages), host_pages_(host_pages), page_size_(page_size), kv_cols_(kv_cols),
-      dtype_(dtype), summaries_(summaries),
-      buf_(&be, bytes_per_page(layers, page_size, kv_cols, dtype, false) * size_t(pages + 1) +
-                    summary_bytes_per_page(layers, kv_cols, dtype, summaries) * size_t(pages + 1 + host_pages),
+KvCache::KvCache(Backend& be, const KvFormat& f, int pages, int host_pages)
+    : be_(be), f_(f), pages_(pages), host_pages_(host_pages),
+      buf_(&be, f.host_page_bytes() * size_t(pages + 1) + f.summary_page_bytes() * size_t(pages + 1 + host_pages),
            Buffer::Zeroed{}) {
-  if (host_pages > 0) host_ = be.alloc_host_tier(host_bytes_per_page(layers, page_size, kv_cols, dtype) * host_pages);
+  if (host_pages > 0) host_ = be.alloc_host_tier(f.host_page_bytes() * host_pages);
 }
 
 KvCache::~KvCache() {
   if (host_) be_.release_host_tier(host_);
 }
 
-char* KvCache::k_rows(int l, int frame) const {
-  if (frame > pages_) {  // the host tier
-    const size_t half = size_t(host_pages_) * page_size_ * row_bytes();
-    return static_cast<char*>(host_) + size_t(l) * 2 * half + size_t(frame - pages_ - 1) * page_size_ * row_bytes();
-  }
-  const size_t half = size_t(pages_ + 1) * page_size_ * row_bytes();
-  return buf_.as<char>() + size_t(l) * 2 * half + size_t(frame) * page_size_ * row_bytes();
-}
-
-char* KvCache::v_rows(int l, int frame) const {
-  const int tier_frames = frame > pages_ ? host_pages_ : pages_ + 1;
-  return k_rows(l, frame) + size_t(tier_frames) * page_size_ * row_bytes();
+char* KvCache::rows(int l, int what, int frame) const {
+  const bool host = frame > pages_;
+  const size_t tier_rows = size_t(host ? host_pages_ : pages_ + 1) * f_.page_size;
+  const size_t row = size_t(host ? frame - pages_ - 1 : frame) * f_.page_size;
+  char* base = host ? static_cast<char*>(host_) : buf_.as<char>();
+  const size_t rb = f_.row_bytes(), sb = f_.scale_row_bytes();
+  if (what < 2) return base + (size_t(l) * 2 + what) * tier_rows * rb + row * rb;
+  return base + size_t(f_.layers) * 2 * tier_rows * rb + (size_t(l) * 2 + what - 2) * tier_rows * sb + row * sb;
 }
 
 char* KvCache::summary_rows(int l, int frame) const {
-  const size_t kv = size_t(layers_) * 2 * size_t(pages_ + 1) * page_size_ * row_bytes();
-  return buf_.as<char>() + kv + (size_t(l) * (pages_ + 1 + host_pages_) + frame) * 2 * row_bytes();
+  const size_t kv = f_.host_page_bytes() * size_t(pages_ + 1);
+  const size_t row = size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
+  return buf_.as<char>() + kv + (size_t(l) * (pages_ + 1 + host_pages_) + frame) * 2 * row;
 }
 
 KvLayer KvCache::layer(int l) const {
-  KvLayer k{k_rows(l, 0), v_rows(l, 0), dtype_};
-  if (summaries_) k.summary = summary_rows(l, 0);
+  KvLayer k{rows(l, 0, 0), rows(l, 1, 0), f_.dtype};
+  if (f_.summaries) {
+    k.summary = summary_rows(l, 0);
+    k.summary_dtype = f_.summary_dtype;
+  }
+  const int host0 = pages_ + 1;
   if (host_pages_ > 0) {
-    k.host_k = k_rows(l, pages_ + 1);
-    k.host_v = v_rows(l, pages_ + 1);
-    k.host_page0 = pages_ + 1;
+    k.host_k = rows(l, 0, host0);
+    k.host_v = rows(l, 1, host0);
+    k.host_page0 = host0;
+  }
+  if (f_.fp8()) {
+    k.kv_heads = f_.kv_heads;
+    k.k_scale = reinterpret_cast<float*>(rows(l, 2, 0));
+    k.v_scale = reinterpret_cast<float*>(rows(l, 3, 0));
+    if (host_pages_ > 0) {
+      k.host_k_scale = reinterpret_cast<float*>(rows(l, 2, host0));
+      k.host_v_scale = reinterpret_cast<float*>(rows(l, 3, host0));
+    }
   }
   return k;
 }
 
 void KvCache::fill_random(uint64_t seed) {
-  const int64_t rows = int64_t(pages_) * page_size_;
-  for (int l = 0; l < layers_; ++l) {
-    Tensor k(k_rows(l, 0), dtype_, rows, kv_cols_), v(v_rows(l, 0), dtype_, rows, kv_cols_);
-    be_.fill_random(k, seed, 1.0f, 0.0f, int64_t(2 * l) * rows, 0);
-    be_.fill_random(v, seed, 1.0f, 0.0f, int64_t(2 * l + 1) * rows, 0);
+  const int64_t rows_n = int64_t(pages_) * f_.page_size;
+  for (int l = 0; l < f_.layers; ++l) {
+    for (int what = 0; what < 2; ++what) {
+      Tensor t(rows(l, what, 0), f_.dtype, rows_n, f_.kv_cols());
+      be_.fill_random(t, seed, 1.0f, 0.0f, int64_t(2 * l + what) * rows_n, 0);
+    }
+    if (f_.fp8()) {  // scale 1: the stored e4m3 values are the keys
+      for (int what = 2; what < 4; ++what) {
+        Tensor t(rows(l, what, 0), DType::F32, rows_n, f_.kv_heads);
+        be_.fill_random(t, seed, 0.0f, 1.0f, 0, 0);
+      }
+    }
   }
-  if (!summaries_) return;
+  if (!f_.summaries) return;
   // Every row in order, a chunk of pages at a time: each page's last row summarizes it.
-  const int64_t chunk = std::min<int64_t>(rows, int64_t(1) << 16) / page_size_ * page_size_;
+  const int64_t chunk = std::min<int64_t>(rows_n, int64_t(1) << 16) / f_.page_size * f_.page_size;
   Buffer idx(&be_, size_t(chunk) * 4);
   std::vector<int32_t> host(static_cast<size_t>(chunk));
-  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-    const int64_t n = std::min(chunk, rows - r0);
+  for (int64_t r0 = 0; r0 < rows_n; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows_n - r0);
     for (int64_t i = 0; i < n; ++i) host[size_t(i)] = int32_t(r0 + i);
     be_.upload(idx.as<char>(), host.data(), size_t(n) * 4);
     AttnBatch b;
     b.num_tokens = int(n);
     b.kv_rows = idx.as<int32_t>();
-    b.page_size = page_size_;
-    for (int l = 0; l < layers_; ++l) be_.summarize_pages(layer(l), b, kv_cols_);
+    b.page_size = f_.page_size;
+    for (int l = 0; l < f_.layers; ++l) be_.summarize_pages(layer(l), b, int(f_.kv_cols()));
   }
   be_.synchronize();
 }
 
 void KvCache::move(const PageMoves& moves) {
-  const size_t page = size_t(page_size_) * row_bytes();
+  const size_t page = size_t(f_.page_size) * f_.row_bytes(), scales = size_t(f_.page_size) * f_.scale_row_bytes();
+  const size_t summary = 2 * size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
   auto copy_all = [&](const std::vector<std::pair<int, int>>& list) {
     std::vector<CopySegment> segs;
     for (const auto& [from, to] : list)
-      for (int l = 0; l < layers_; ++l) {
-        segs.push_back({k_rows(l, to), k_rows(l, from), page});
-        segs.push_back({v_rows(l, to), v_rows(l, from), page});
-        if (summaries_) segs.push_back({summary_rows(l, to), summary_rows(l, from), 2 * row_bytes()});
+      for (int l = 0; l < f_.layers; ++l) {
+        for (int what = 0; what < 2; ++what) segs.push_back({rows(l, what, to), rows(l, what, from), page});
+        if (f_.fp8())
+          for (int what = 2; what < 4; ++what) segs.push_back({rows(l, what, to), rows(l, what, from), scales});
+        if (f_.summaries) segs.push_back({summary_rows(l, to), summary_rows(l, from), summary});
       }
     if (!segs.empty()) be_.copy_segments(segs);
   };

@@ -10,50 +10,63 @@
 
 namespace qrt {
 
+// What a page holds on one rank: every attention layer's K and V rows of page_size tokens (FP8: with a scale per
+// row and kv head, ops.h KvLayer) and, for sparse decode, two summary rows of K.
+struct KvFormat {
+  int layers = 0;
+  int page_size = 0;
+  int kv_heads = 0;  // this rank's
+  int head_dim = 0;
+  DType dtype = DType::F32;
+  bool summaries = false;
+  DType summary_dtype = DType::F32;
+  // dtype F8E4M3 keeps its summaries in the activations' dtype, others in their own.
+  static DType summary_dtype_for(DType kv, DType act) { return kv == DType::F8E4M3 ? act : kv; }
+  bool fp8() const { return dtype == DType::F8E4M3; }
+  int64_t kv_cols() const { return int64_t(kv_heads) * head_dim; }
+  size_t row_bytes() const { return size_t(kv_cols()) * dtype_size(dtype); }
+  size_t scale_row_bytes() const { return fp8() ? size_t(kv_heads) * 4 : 0; }
+  // A page's K and V (with their scales) in one tier; its summary rows (on the device, for a frame of either tier);
+  // a device frame's whole size.
+  size_t host_page_bytes() const { return size_t(layers) * 2 * size_t(page_size) * (row_bytes() + scale_row_bytes()); }
+  size_t summary_page_bytes() const {
+    return summaries ? size_t(layers) * 2 * size_t(kv_cols()) * dtype_size(summary_dtype) : 0;
+  }
+  size_t page_bytes() const { return host_page_bytes() + summary_page_bytes(); }
+};
+
 // Device tier: for layer l, K rows then V rows, each [(device_pages + 1) * page_size, kv_cols] of dtype; the extra
-// frame is scratch (padded rows of a graph-replayed step write there). With summaries (sparse decode), then for
-// layer l the summaries of every frame of both tiers, [2 * (device_pages + 1 + host_pages), kv_cols] (ops.h
-// KvLayer::summary). Host tier (host_pages > 0, Backend::alloc_host_tier): for layer l, K rows then V rows, each
-// [host_pages * page_size, kv_cols].
+// frame is scratch (padded rows of a graph-replayed step write there). FP8: then for layer l the K scales and the V
+// scales, each [(device_pages + 1) * page_size, kv_heads] fp32. With summaries (sparse decode), then for layer l
+// the summaries of every frame of both tiers, [2 * (device_pages + 1 + host_pages), kv_cols] (ops.h
+// KvLayer::summary). Host tier (host_pages > 0, Backend::alloc_host_tier): the same K, V (and scale) arrays of
+// host_pages * page_size rows.
 class KvCache {
  public:
-  KvCache(Backend& be, int num_layers, int device_pages, int host_pages, int page_size, int kv_cols, DType dtype,
-          bool summaries);
+  KvCache(Backend& be, const KvFormat& format, int device_pages, int host_pages);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
   KvLayer layer(int l) const;
-  int page_size() const { return page_size_; }
+  const KvFormat& format() const { return f_; }
+  int page_size() const { return f_.page_size; }
   int num_pages() const { return pages_; }  // device frames
-  int scratch_row() const { return pages_ * page_size_; }
-  bool summaries() const { return summaries_; }
-  // Copies frames' rows (every layer's K, V and summary rows): moves.out, then moves.in (stream-ordered).
+  int scratch_row() const { return pages_ * f_.page_size; }
+  bool summaries() const { return f_.summaries; }
+  // Copies frames' rows (every layer's K, V, scale and summary rows): moves.out, then moves.in (stream-ordered).
   void move(const PageMoves& moves);
-  // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1)), and their
-  // summaries to match.
+  // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1); FP8: the e4m3
+  // values of that, scale 1), and their summaries to match.
   void fill_random(uint64_t seed);
-  // Bytes of one device frame (with its summary rows), of one host frame, and of a host frame's summary rows (on
-  // the device).
-  static size_t bytes_per_page(int num_layers, int page_size, int kv_cols, DType dtype, bool summaries) {
-    return size_t(num_layers) * 2 * size_t(page_size + (summaries ? 1 : 0)) * size_t(kv_cols) * dtype_size(dtype);
-  }
-  static size_t host_bytes_per_page(int num_layers, int page_size, int kv_cols, DType dtype) {
-    return bytes_per_page(num_layers, page_size, kv_cols, dtype, false);
-  }
-  static size_t summary_bytes_per_page(int num_layers, int kv_cols, DType dtype, bool summaries) {
-    return summaries ? size_t(num_layers) * 2 * size_t(kv_cols) * dtype_size(dtype) : 0;
-  }
 
  private:
-  size_t row_bytes() const { return size_t(kv_cols_) * dtype_size(dtype_); }
-  char* k_rows(int l, int frame) const;  // the frame's first K row of layer l (either tier)
-  char* v_rows(int l, int frame) const;
+  // Layer l's array `what` (0 K, 1 V, 2 K scales, 3 V scales) from `frame`'s first row, in the frame's tier.
+  char* rows(int l, int what, int frame) const;
   char* summary_rows(int l, int frame) const;
 
   Backend& be_;
-  int layers_, pages_, host_pages_, page_size_, kv_cols_;
-  DType dtype_;
-  bool summaries_;
+  KvFormat f_;
+  int pages_, host_pages_;
   Buffer buf_;
   void* host_ = nullptr;
 };

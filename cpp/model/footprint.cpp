@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "kv/kv_cache.h"
 #include "kv/state_cache.h"
 #include "model/layers.h"
 
@@ -158,8 +159,15 @@ Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
                 + T * rows * as + 2 * LR * H * as                                               // activations
                 + LR * n * vocab_pad * f32 + (nr > 1 ? n * LR * vocab_pad * f32 : 0);          // logits
   f.rope_position = double(c.rot_dim()) * f32;
-  // K and V rows of a page, and its two summary rows (KvCache::bytes_per_page).
-  f.kv_page = c.num_kv_layers() * 2 * double(s.page_size + (s.sparse ? 1 : 0)) * kn * double(dtype_size(s.kv));
+  KvFormat kvf;  // K and V rows of a page (with FP8 scales), and its two summary rows
+  kvf.layers = c.num_kv_layers();
+  kvf.page_size = s.page_size;
+  kvf.kv_heads = sh.kv_heads;
+  kvf.head_dim = c.head_dim;
+  kvf.dtype = s.kv;
+  kvf.summaries = s.sparse;
+  kvf.summary_dtype = KvFormat::summary_dtype_for(s.kv, s.act);
+  f.kv_page = double(kvf.page_bytes());
   if (c.mtp_layers) f.workspace += T * (2 * H + H) * as;  // the MTP head's input [T, 2H] and hidden rows [T, H]
   if (c.mtp_layers) f.workspace += T * H * as;           // the final norm's rows (the MTP head's input)
   if (s.sparse && c.num_attention_layers()) {  // scores and page lists [S, kv heads, columns], keys [S, kv heads]

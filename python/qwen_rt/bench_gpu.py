@@ -7,7 +7,9 @@ Figures:
   offline   512 requests of 128 prompt + 128 output tokens; 1000 requests with lengths drawn from 32..2048
   prefill   time to first token, prefill tokens/s and MFU for long prompts
   startup   Generator() to first token with the weights in safetensors files on local disk
-  longctx   batch-1 decode at long contexts, full attention and sparse (page selection) at several budgets
+  longctx   batch-1 decode at long contexts, full attention and sparse (page selection) at several budgets,
+            with the bf16 and/or the fp8 KV cache
+  kvfp8     the fp8 KV cache's error against the bf16 cache: logprobs of the same greedy continuations
   spec      speculative decoding (MTP): step costs against plain decode, tok/s projected at published acceptance
   hf        transformers (sdpa; dynamic cache, static cache, static cache compiled) batch-1 and batch-N
             decode on the same config; with decode, qwen_rt against the fastest of them (end to end)
@@ -264,41 +266,79 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
     return rows
 
 
-def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng, synthetic_from: int = 0) -> list[dict]:
+def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng, synthetic_from: int = 0,
+                  kv_dtypes=("auto",)) -> list[dict]:
     """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
     the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
     each tier. offload: kv_offload_memory (bytes; 0: none). Contexts of synthetic_from tokens or more (0: none) are
-    random stand-in K/V (synthetic_prefill; labelled so): decode only."""
+    random stand-in K/V (synthetic_prefill; labelled so): decode only. kv_dtypes: kv_cache_dtype values to run."""
     from qwen_rt import SparseAttention
     rows = []
-    for n in lengths:
+    for n, kv, budget in [(n, kv, b) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)]:
         synthetic = bool(synthetic_from) and n >= synthetic_from
-        for budget in [0] + list(budgets):
-            sparse = SparseAttention(budget_tokens=budget) if budget else None
-            # (Stand-in pages have no host frames: synthetic contexts run without the host tier.)
+        sparse = SparseAttention(budget_tokens=budget) if budget else None
+        # (Stand-in pages have no host frames: synthetic contexts run without the host tier.)
+        g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
+                 enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_cache_dtype=kv,
+                 kv_offload_memory=None if synthetic else offload or None, synthetic_prefill=synthetic)
+        try:
+            p = _prompts(rng, 1, n, g.config["vocab_size"])
+            kw = dict(ignore_eos=True, temperature=0)
+            t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); prefill = time.perf_counter() - t
+            g.generate(p, max_tokens=4, **kw)  # graphs captured, the prompt's pages cached
+            t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); t1 = time.perf_counter() - t
+            t = time.perf_counter(); g.generate(p, max_tokens=new_tokens, **kw); tn = time.perf_counter() - t
+            step = (tn - t1) / (new_tokens - 1)
+            st = g.stats()
+            rows.append({"model": model, "quantization": QUANT, "context": n,
+                         "kv_cache": "fp8" if kv == "fp8" else "bf16",
+                         "attention": f"sparse {budget}" if budget else "full",
+                         "prefill_s": "synthetic" if synthetic else round(prefill, 2),
+                         "step_ms": round(step * 1e3, 3),
+                         "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),
+                         "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
+                         "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
+                         if st["sparse_pages_held"] else 1.0})
+            log(rows[-1])
+        finally:
+            g.close()
+    return rows
+
+
+def bench_kv_fp8(model: str, lengths, new_tokens: int, rng) -> list[dict]:
+    """The fp8 KV cache against the bf16 one on the same prompt (random weights: the logits are those of no trained
+    model, so this measures the numerical error, not a task's accuracy): both greedy continuations, and while they
+    agree, per position the KL divergence of the fp8 cache's top-20 distribution from the bf16 one's (over the
+    tokens both list) and the largest |logprob| change of the bf16 argmax; argmax_agree counts the positions up to
+    the first that differs."""
+    import math
+    rows = []
+    for n in lengths:
+        p = None
+        runs = {}
+        for kv in ("auto", "fp8"):
             g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
-                     enable_prefix_caching=not synthetic, sparse_attention=sparse,
-                     kv_offload_memory=None if synthetic else offload or None, synthetic_prefill=synthetic)
+                     kv_cache_dtype=kv)
             try:
-                p = _prompts(rng, 1, n, g.config["vocab_size"])
-                kw = dict(ignore_eos=True, temperature=0)
-                t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); prefill = time.perf_counter() - t
-                g.generate(p, max_tokens=4, **kw)  # graphs captured, the prompt's pages cached
-                t = time.perf_counter(); g.generate(p, max_tokens=1, **kw); t1 = time.perf_counter() - t
-                t = time.perf_counter(); g.generate(p, max_tokens=new_tokens, **kw); tn = time.perf_counter() - t
-                step = (tn - t1) / (new_tokens - 1)
-                st = g.stats()
-                rows.append({"model": model, "quantization": QUANT, "context": n,
-                             "attention": f"sparse {budget}" if budget else "full",
-                             "prefill_s": "synthetic" if synthetic else round(prefill, 2),
-                             "step_ms": round(step * 1e3, 3),
-                             "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),
-                             "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
-                             "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
-                             if st["sparse_pages_held"] else 1.0})
-                log(rows[-1])
+                if p is None:
+                    p = _prompts(rng, 1, n, g.config["vocab_size"])[0]
+                runs[kv] = g.generate([p], max_tokens=new_tokens, logprobs=20, temperature=0, ignore_eos=True)[0]
             finally:
                 g.close()
+        a, b = runs["auto"], runs["fp8"]
+        kls, gaps, agree, steps = [], [], 0, 0
+        for la, lb, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+            steps += 1
+            agree += ta == tb
+            if ta != tb:
+                break  # the continuations part: later positions see different prefixes
+            common = la.keys() & lb.keys()
+            kls.append(sum(math.exp(la[t]) * (la[t] - lb[t]) for t in common))
+            gaps.append(abs(la[ta] - lb.get(ta, la[ta])))
+        rows.append({"model": model, "quantization": QUANT, "context": n, "positions": steps,
+                     "argmax_agree": f"{agree}/{steps}", "mean_kl_top20": round(sum(kls) / max(len(kls), 1), 6),
+                     "max_abs_dlogprob": round(max(gaps, default=0.0), 4)})
+        log(rows[-1])
     return rows
 
 
@@ -449,6 +489,9 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-lengths", default="4096,32768,131072")
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
     p.add_argument("--longctx-offload", type=int, default=0, help="kv_offload_memory in bytes (0: none)")
+    p.add_argument("--longctx-kv", default="auto", help="kv_cache_dtype values to run: auto, fp8 or auto,fp8")
+    p.add_argument("--kvfp8-model", default="qwen3.8-27b")
+    p.add_argument("--kvfp8-lengths", default="4096,32768")
     p.add_argument("--longctx-synthetic-from", type=int, default=262144,
                    help="contexts of this many tokens or more decode over random stand-in K/V (0: never)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) per Generator")
@@ -506,8 +549,12 @@ def run(args) -> int:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
                                        max(args.new_tokens, 8), args.longctx_offload, rng,
-                                       args.longctx_synthetic_from)
+                                       args.longctx_synthetic_from, args.longctx_kv.split(","))
         print_table(rec["longctx"])
+    if "kvfp8" in parts:
+        rec["kvfp8"] = bench_kv_fp8(args.kvfp8_model, [int(x) for x in args.kvfp8_lengths.split(",")],
+                                    max(args.new_tokens, 16), rng)
+        print_table(rec["kvfp8"])
     if "startup" in parts:
         rec["startup"] = []
         for m in args.startup_models.split(","):

@@ -332,7 +332,8 @@ class Generator:
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 2, synthetic_prefill: bool = False):
+                 speculative_tokens: int = 0, speculative_max_batch: int = 2, synthetic_prefill: bool = False,
+                 kv_cache_dtype: str = "auto"):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -381,6 +382,10 @@ class Generator:
                             f"{type(sparse_attention).__name__}")
         if quantization is not None and not isinstance(quantization, str):
             raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
+        if not isinstance(kv_cache_dtype, str):
+            raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if comm not in ("auto", "nccl"):
@@ -428,6 +433,7 @@ class Generator:
         opts.page_size = page_size
         opts.kv_cache_memory = kv_cache_memory or 0
         opts.kv_offload_memory = kv_offload_memory or 0
+        opts.kv_cache_dtype = kv_cache_dtype
         opts.gpu_memory_utilization = float(gpu_memory_utilization)
         opts.tensor_parallel_size = tensor_parallel_size
         opts.dummy_weights = load_format == "dummy"

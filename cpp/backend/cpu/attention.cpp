@@ -6,12 +6,14 @@
 // (AVX-512) and from 40-43 to 19-21 ms (AVX2 build) on one core (tools/attention_cpu_bench.cpp; the AVX-512
 // results are bit-identical to the per-head code before). Otherwise the query heads of a GQA group share each K/V
 // row load. The cache holds fp32, or bf16 / fp16 rows (16-bit weights: the KV dtype of a bf16 model, half the
-// bytes a step reads), converted to fp32 as they are read.
+// bytes a step reads), converted to fp32 as they are read, or fp8 rows with a scale per (row, kv head): a key's
+// score is (q . k8) * scale * k_scale, and a value's weight p * v_scale multiplies its e4m3 values.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -51,6 +53,9 @@ struct Bf16Rows {
 struct F16Rows {
   using E = uint16_t;
 };
+struct F8Rows {
+  using E = uint8_t;
+};
 // n elements as fp32: the row itself, or converted into buf (8 at a time with AVX2 / F16C).
 inline const float* as_f32(F32Rows, const float* p, int, float*) { return p; }
 inline const float* as_f32(Bf16Rows, const uint16_t* p, int n, float* buf) {
@@ -73,6 +78,10 @@ inline const float* as_f32(F16Rows, const uint16_t* p, int n, float* buf) {
   for (; i < n; ++i) buf[i] = f16_to_f32(p[i]);
   return buf;
 }
+inline const float* as_f32(F8Rows, const uint8_t* p, int n, float* buf) {
+  f8_to_f32(p, n, buf);
+  return buf;
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The vector path: kW-lane vectors (AVX-512: 16; AVX2: 8), head_dim a multiple of kW up to 16 vectors.
@@ -86,6 +95,10 @@ inline AV av_load(Bf16Rows, const uint16_t* p) {
 }
 inline AV av_load(F16Rows, const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline AV av_load(F8Rows, const uint8_t* p) {
+  const v16f v = f8x16_over_256(p);
+  return _mm512_mul_ps(reinterpret_cast<const __m512&>(v), _mm512_set1_ps(256.0f));
 }
 inline AV av_loadf(const float* p) { return _mm512_loadu_ps(p); }
 inline AV av_set1(float x) { return _mm512_set1_ps(x); }
@@ -106,6 +119,11 @@ inline AV av_load(Bf16Rows, const uint16_t* p) {
 }
 inline AV av_load(F16Rows, const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline AV av_load(F8Rows, const uint8_t* p) {
+  alignas(32) float t[kW];
+  f8_to_f32(p, kW, t);
+  return _mm256_load_ps(t);
 }
 inline AV av_loadf(const float* p) { return _mm256_loadu_ps(p); }
 inline AV av_set1(float x) { return _mm256_set1_ps(x); }
@@ -240,6 +258,16 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
         const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
         return (on_host ? host : dev) + r * kv_cols + int64_t(kh0 + kh) * D;
       };
+      // FP8: scores[h][p] *= the scale of key p's row of head h's kv head (K or V scales of either tier).
+      auto scale_by = [&](const float* dev, const float* host, int heads) {
+        for (int p = 0; p < n; ++p) {
+          const int page = pages[p / b.page_size];
+          const bool on_host = page >= cache.host_page0;
+          const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
+          const float* sr = (on_host ? host : dev) + r * Hkv + kh0;
+          for (int h = 0; h < heads; ++h) scores[size_t(h) * n + p] *= sr[h / group];
+        }
+      };
       if (vector_path) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         with_const<16>(D / kW, [&](auto chunks) {
@@ -256,12 +284,14 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
           for (int h = 0; h < hq; ++h) scores[size_t(h) * n + p] = dot(qr + h * D, kr + (h / group) * D, D) * s.scale;
         }
       }
+      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.k_scale, cache.host_k_scale, hq);
       for (int h = 0; h < hq; ++h) {
         float* sc = scores.data() + size_t(h) * n;
         float mx = -INFINITY;
         for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
         inv[h] = 1.f / exp_shift_sum(sc, n, mx);
       }
+      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.v_scale, cache.host_v_scale, hq);
       if (vector_path) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         with_const<16>(D / kW, [&](auto chunks) {
@@ -300,7 +330,14 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
     case DType::F32: attention_rows(F32Rows{}, q, cache, b, s, out, pool); break;
     case DType::BF16: attention_rows(Bf16Rows{}, q, cache, b, s, out, pool); break;
     case DType::F16: attention_rows(F16Rows{}, q, cache, b, s, out, pool); break;
-    default: QRT_CHECK(false, "cpu attention: KV cache of ", dtype_name(cache.dtype), " (float32, bfloat16 or float16)");
+    case DType::F8E4M3:
+      QRT_CHECK(cache.k_scale && cache.v_scale && cache.kv_heads == s.kv_heads, "cpu attention: an fp8 KV cache ",
+                "needs its scales");
+      attention_rows(F8Rows{}, q, cache, b, s, out, pool);
+      break;
+    default:
+      QRT_CHECK(false, "cpu attention: KV cache of ", dtype_name(cache.dtype),
+                " (float32, bfloat16, float16 or float8_e4m3)");
   }
 }
 

@@ -228,6 +228,18 @@ class CpuBackend final : public Backend {
     check_f32(k, "write_kv");
     check_f32(v, "write_kv");
     const int64_t cols = k.cols;
+    if (cache.fp8()) {
+      QRT_CHECK(cache.kv_heads > 0 && cols % cache.kv_heads == 0 && cache.k_scale && cache.v_scale,
+                "cpu write_kv: an fp8 KV cache needs its scales");
+      for (int64_t r = 0; r < k.rows; ++r) {
+        const int64_t at = b.kv_rows[r];
+        quantize_kv_row(row(k, r), cols, cache.kv_heads, static_cast<uint8_t*>(cache.k) + at * cols,
+                        cache.k_scale + at * cache.kv_heads);
+        quantize_kv_row(row(v, r), cols, cache.kv_heads, static_cast<uint8_t*>(cache.v) + at * cols,
+                        cache.v_scale + at * cache.kv_heads);
+      }
+      return;
+    }
     Tensor kc(cache.k, cache.dtype, 0, cols), vc(cache.v, cache.dtype, 0, cols);  // rows by kv_rows
     for (int64_t r = 0; r < k.rows; ++r) {
       store_row_f32(row(k, r), kc, b.kv_rows[r]);

@@ -15,6 +15,38 @@ namespace qrt::cpu {
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef _Float16 v16f16 __attribute__((vector_size(32)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+// 16 e4m3 values times 2^-8, exactly: the 7 magnitude bits placed as a half's exponent and mantissa (bias 15
+// against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
+inline v16f f8x16_over_256(const uint8_t* p) {
+  v16b b;
+  std::memcpy(&b, p, 16);
+  const v16h h = __builtin_convertvector(b, v16h);
+  const v16h bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
+  v16f16 f;
+  std::memcpy(&f, &bits, 32);
+  v16f v = __builtin_convertvector(f, v16f);
+  const v16u nan = (v16u)(__builtin_convertvector(h & 0x7f, v16u) == 0x7fu);
+  v16u u;
+  std::memcpy(&u, &v, 64);
+  u = (u & ~nan) | (nan & 0x7fc00000u);
+  std::memcpy(&v, &u, 64);
+  return v;
+}
+
+// n e4m3 values as fp32 into out.
+inline void f8_to_f32(const uint8_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16f v = f8x16_over_256(p + i) * 256.0f;
+    std::memcpy(out + i, &v, 64);
+  }
+  for (; i < n; ++i) out[i] = f8e4m3_to_f32(p[i]);
+}
 
 #if defined(__AVX512F__)
 // Lane j of the result: the sum of the 16 lanes of v[j], by a transpose-add tree (~45 instructions for 16
@@ -108,6 +140,26 @@ void gemm_fp8(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out,
 void check_fp8_linear(const Linear& w, const char* op);
 // Backend::quantize_fp8.
 void quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, ThreadPool& pool);
+
+// One K (or V) row of an fp8 KV cache (ops.h KvLayer): each head's cols / heads values x as e4m3(x / s) into q,
+// s = amax|x| / 448 (1 where all are zero) into scale[head].
+inline void quantize_kv_row(const float* x, int64_t cols, int heads, uint8_t* q, float* scale) {
+  const int64_t D = cols / heads;
+  for (int h = 0; h < heads; ++h) {
+    const float* xh = x + h * D;
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; ++i) amax = std::fmax(amax, std::fabs(xh[i]));
+    const float s = amax > 0.f ? amax / 448.0f : 1.0f;
+    for (int64_t i = 0; i < D; ++i) q[h * D + i] = f32_to_f8e4m3(xh[i] / s);
+    scale[h] = s;
+  }
+}
+// Its inverse: out = q8 * s per head (fp32 products).
+inline void dequantize_kv_row(const uint8_t* q, const float* scale, int64_t cols, int heads, float* out) {
+  const int64_t D = cols / heads;
+  f8_to_f32(q, cols, out);
+  for (int64_t i = 0; i < cols; ++i) out[i] *= scale[i / D];
+}
 
 void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
                Tensor& out, ThreadPool& pool);

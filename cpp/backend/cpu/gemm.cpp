@@ -24,10 +24,6 @@
 namespace qrt::cpu {
 namespace {
 
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef _Float16 v16f16 __attribute__((vector_size(32)));
-
 // n floats of buf, 64-byte aligned (a vector load that crosses a cache line costs two).
 inline float* aligned_floats(std::vector<float>& buf, size_t n) {
   buf.resize(n + 16);

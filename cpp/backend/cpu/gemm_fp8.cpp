@@ -14,31 +14,8 @@
 namespace qrt::cpu {
 namespace {
 
-typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef _Float16 v16f16 __attribute__((vector_size(32)));
-
 constexpr int kLanes = 16;
 constexpr int64_t kRowsPerBlock = 16;  // weight rows dequantized at a time
-
-// 16 e4m3 values times 2^-8, exactly: the 7 magnitude bits placed as a half's exponent and mantissa (bias 15
-// against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
-inline v16f f8x16_over_256(const uint8_t* p) {
-  v16b b;
-  std::memcpy(&b, p, 16);
-  const v16h h = __builtin_convertvector(b, v16h);
-  const v16h bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
-  v16f16 f;
-  std::memcpy(&f, &bits, 32);
-  v16f v = __builtin_convertvector(f, v16f);
-  const v16u nan = (v16u)(__builtin_convertvector(h & 0x7f, v16u) == 0x7fu);
-  v16u u;
-  std::memcpy(&u, &v, 64);
-  u = (u & ~nan) | (nan & 0x7fc00000u);
-  std::memcpy(&v, &u, 64);
-  return v;
-}
 
 // Row r of w dequantized into dst (K floats): w[r, k] * scale[r >> shift, k / 128], each an fp32 product.
 void dequantize_row(const Linear& lw, int64_t r, float* dst) {

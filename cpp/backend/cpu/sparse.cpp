@@ -10,7 +10,7 @@ namespace qrt::cpu {
 
 void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, ThreadPool& pool) {
   const Tensor kc(cache.k, cache.dtype, 0, kv_cols);
-  Tensor sum(cache.summary, cache.dtype, 0, kv_cols);
+  Tensor sum(cache.summary, cache.summary_dtype, 0, kv_cols);
   const int ps = b.page_size, T = b.num_tokens;
   pool.for_static(T, T > 16, [&](int64_t t) {
     const int row = b.kv_rows[t];
@@ -21,13 +21,18 @@ void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, 
     const size_t cols = size_t(kv_cols);
     std::vector<float> k_row(cols), mins(cols, INFINITY), maxs(cols, -INFINITY);
     for (int r = page * ps; r <= row; ++r) {
-      load_row_f32(kc, r, k_row.data());
+      if (cache.fp8())  // the keys as attention reads them
+        dequantize_kv_row(static_cast<const uint8_t*>(cache.k) + int64_t(r) * kv_cols, cache.k_scale + int64_t(r) *
+                          cache.kv_heads, kv_cols, cache.kv_heads, k_row.data());
+      else
+        load_row_f32(kc, r, k_row.data());
       for (size_t c = 0; c < cols; ++c) {
         mins[c] = std::min(mins[c], k_row[c]);
         maxs[c] = std::max(maxs[c], k_row[c]);
       }
     }
-    store_row_f32(mins.data(), sum, 2 * int64_t(page));  // exact: the keys are values of the summary's dtype
+    // Exact where the summary's dtype holds the keys' values (fp32, or the KV dtype); else rounded to nearest.
+    store_row_f32(mins.data(), sum, 2 * int64_t(page));
     store_row_f32(maxs.data(), sum, 2 * int64_t(page) + 1);
   });
 }
@@ -36,7 +41,7 @@ void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, con
                   const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys, ThreadPool& pool) {
   const int ps = b.page_size, Hkv = sh.kv_heads, G = sh.q_heads / sh.kv_heads, D = sh.head_dim, P = b.max_pages;
   const int64_t kv_cols = int64_t(Hkv) * D;
-  const Tensor sum(cache.summary, cache.dtype, 0, kv_cols);
+  const Tensor sum(cache.summary, cache.summary_dtype, 0, kv_cols);
   pool.for_static(int64_t(b.num_seqs) * Hkv, b.num_seqs * Hkv > 1, [&](int64_t task) {
     const int s = int(task / Hkv), h = int(task % Hkv);
     const int ctx = b.ctx_len[s], q_len = b.q_start[s + 1] - b.q_start[s], n = (ctx + ps - 1) / ps;

@@ -54,6 +54,23 @@ __device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
 }
 
+// fp8 (e4m3) cache elements: two, and eight consecutive (8-byte aligned), as fp32.
+__device__ __forceinline__ float2 load2(const uint8_t* p) {
+  return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(*reinterpret_cast<const __nv_fp8x2_storage_t*>(p),
+                                                            __NV_E4M3)));
+}
+__device__ __forceinline__ void load8(const uint8_t* p, float (&f)[8]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const uint32_t w[2] = {u.x, u.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+        __nv_fp8x2_storage_t((w[i >> 1] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3)));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
 // Eight consecutive elements (16-byte aligned for 16-bit types, 32 for fp32) as fp32.
 __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
@@ -81,18 +98,20 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
 // ================================================================================================
 // Rows kernel
 // ================================================================================================
-template <typename T> struct RowCfg {
-  static constexpr int kTile = sizeof(T) == 4 ? 16 : 32;  // keys per shared-memory tile
-  static constexpr int kPad = 16 / int(sizeof(T));         // elements of row padding (16 bytes)
+// C: the cache's element type (T, or uint8_t for an fp8 cache).
+template <typename C> struct RowCfg {
+  static constexpr int kTile = sizeof(C) == 4 ? 16 : 32;  // keys per shared-memory tile
+  static constexpr int kPad = 16 / int(sizeof(C));         // elements of row padding (16 bytes)
 };
 
-template <typename T, int D, int GM>
+template <typename C, int D, int GM>
 constexpr size_t rows_smem_bytes() {
-  constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
+  constexpr int TILE = RowCfg<C>::kTile, LD = D + RowCfg<C>::kPad;
   return size_t(GM) * D * 4                    // q (fp32, pre-scaled)
-         + size_t(2) * 2 * TILE * LD * sizeof(T)  // K and V, two stages
+         + size_t(2) * 2 * TILE * LD * sizeof(C)  // K and V, two stages
          + size_t(TILE) * GM * 4                // probabilities [t][g]
-         + 3 * GM * 4;                          // m, l, alpha
+         + 3 * GM * 4                           // m, l, alpha
+         + (sizeof(C) == 1 ? size_t(2) * 2 * TILE * 4 : 0);  // fp8: K and V scales, two stages
 }
 
 // What both attention kernels read: q, the paged cache, the batch, the output (filled by attn_args).
@@ -104,6 +123,10 @@ struct AttnArgs {
   const void* host_k;  // the host tier (ops.h KvLayer), from page host_page0 on
   const void* host_v;
   int host_page0;
+  const float* k_scale;  // fp8 caches: each tier's scales per (row, kv head) (ops.h KvLayer); else null
+  const float* v_scale;
+  const float* host_k_scale;
+  const float* host_v_scale;
   const int32_t* q_start;
   const int32_t* ctx_len;
   const int32_t* page_table;
@@ -125,7 +148,7 @@ template <typename T> struct KvPtr {
   const T* v;
 };
 // One sequence's kv head in the paged cache: key j's rows are row(j) * cols elements into its tier's K and V
-// (pages from host_page0 on: the host tier, ops.h KvLayer).
+// (pages from host_page0 on: the host tier, ops.h KvLayer); fp8: their scales at tier_row(j) * kv_heads.
 template <typename T> struct KvHead {
   const T* k;
   const T* v;
@@ -135,11 +158,23 @@ template <typename T> struct KvHead {
   int64_t cols;
   const int32_t* pages;
   int page_size;
-  // Key j's row offset (elements) from its tier's base; on_host: the tier.
-  __device__ __forceinline__ int64_t row(int j, bool& on_host) const {
+  const float* k_scale;  // fp8: this head's scales (offset by the kv head) of each tier
+  const float* v_scale;
+  const float* host_k_scale;
+  const float* host_v_scale;
+  int kv_heads;
+  // Key j's row in its tier; on_host: the tier.
+  __device__ __forceinline__ int64_t tier_row(int j, bool& on_host) const {
     const int page = pages[j / page_size];
     on_host = page >= host_page0;
-    return (int64_t(on_host ? page - host_page0 : page) * page_size + (j % page_size)) * cols;
+    return int64_t(on_host ? page - host_page0 : page) * page_size + (j % page_size);
+  }
+  // Key j's row offset (elements) from its tier's base.
+  __device__ __forceinline__ int64_t row(int j, bool& on_host) const { return tier_row(j, on_host) * cols; }
+  // fp8: the K and V scales of tier row r.
+  __device__ __forceinline__ float2 scales(int64_t r, bool on_host) const {
+    const int64_t i = r * kv_heads;
+    return on_host ? make_float2(host_k_scale[i], host_v_scale[i]) : make_float2(k_scale[i], v_scale[i]);
   }
   __device__ __forceinline__ KvPtr<T> at(int64_t row, bool on_host) const {
     return on_host ? KvPtr<T>{host_k + row, host_v + row} : KvPtr<T>{k + row, v + row};
@@ -155,7 +190,8 @@ __device__ __forceinline__ KvHead<T> kv_head(const AttnArgs& a, int seq, int kvh
   const int64_t h = int64_t(kvh) * D;
   return {static_cast<const T*>(a.kc) + h, static_cast<const T*>(a.vc) + h,
           static_cast<const T*>(a.host_k) + h, static_cast<const T*>(a.host_v) + h, a.host_page0,
-          int64_t(a.kv_heads) * D, a.page_table + list_of(a, seq, kvh) * a.max_pages, a.page_size};
+          int64_t(a.kv_heads) * D, a.page_table + list_of(a, seq, kvh) * a.max_pages, a.page_size,
+          a.k_scale + kvh, a.v_scale + kvh, a.host_k_scale + kvh, a.host_v_scale + kvh, a.kv_heads};
 }
 
 struct RowsArgs : AttnArgs {
@@ -202,23 +238,28 @@ __device__ __forceinline__ void write_zero_output(const RowsArgs& a, int row, in
   for (int i = threadIdx.x; i < ng * D; i += blockDim.x) o[i] = from_f<T>(0.f);
 }
 
-template <typename T, int D, int GM>
+// T: q and out; C: the cache's elements (T, or uint8_t: an fp8 cache, each key's score times its K scale and its
+// probability times its V scale).
+template <typename T, typename C, int D, int GM>
 __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a) {
   grid_release();
   grid_wait();
-  constexpr int TILE = RowCfg<T>::kTile, LD = D + RowCfg<T>::kPad;
-  constexpr int CPR = D * int(sizeof(T)) / 16;  // 16-byte chunks per K/V row
-  constexpr int EPC = 16 / int(sizeof(T));      // elements per chunk
+  constexpr bool FP8 = sizeof(C) == 1;
+  constexpr int TILE = RowCfg<C>::kTile, LD = D + RowCfg<C>::kPad;
+  constexpr int CPR = D * int(sizeof(C)) / 16;  // 16-byte chunks per K/V row
+  constexpr int EPC = 16 / int(sizeof(C));      // elements per chunk
   constexpr int NPH = 2 * kRowThreads / D;      // token phases of the PV step (each thread: 2 dims)
   static_assert(NPH >= 1 && GM % 4 == 0, "shape");
+  static_assert(NPH == 1 || NPH * GM * D * 4 <= 2 * 2 * TILE * LD * int(sizeof(C)), "the phase sums fit the stages");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* qs = reinterpret_cast<float*>(smem_raw);                          // [GM][D]
-  T* kvs = reinterpret_cast<T*>(qs + GM * D);                           // [2 stages][K,V][TILE][LD]
+  C* kvs = reinterpret_cast<C*>(qs + GM * D);                           // [2 stages][K,V][TILE][LD]
   float* ps = reinterpret_cast<float*>(kvs + 2 * 2 * TILE * LD);           // [TILE][GM]
   float* m_s = ps + TILE * GM;
   float* l_s = m_s + GM;
   float* al_s = l_s + GM;
+  float* sc_s = al_s + GM;  // fp8: [2 stages][K,V][TILE] scales
 
   const int tid = threadIdx.x;
   const int split = blockIdx.x;
@@ -234,20 +275,33 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
     return;
   }
 
-  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
+  const KvHead<C> cache = kv_head<C, D>(a, s, kvh);
 
   auto issue = [&](int k0, int stage) {
-    T* ks = kvs + stage * 2 * TILE * LD;
-    T* vs = ks + TILE * LD;
+    C* ks = kvs + stage * 2 * TILE * LD;
+    C* vs = ks + TILE * LD;
     for (int c = tid; c < TILE * CPR; c += kRowThreads) {
       const int t = c / CPR, part = c - t * CPR;
       const int j = k0 + t;
       const bool ok = j < k_end;
-      const KvPtr<T> kv = ok ? cache.at(j) : KvPtr<T>{cache.k, cache.v};
+      const KvPtr<C> kv = ok ? cache.at(j) : KvPtr<C>{cache.k, cache.v};
       cp_async16(ks + t * LD + part * EPC, kv.k + part * EPC, ok);
       cp_async16(vs + t * LD + part * EPC, kv.v + part * EPC, ok);
     }
     cp_async_commit();
+    if constexpr (FP8) {  // plain loads: read after the barrier that follows this stage's wait
+      for (int t = tid; t < TILE; t += kRowThreads) {
+        const int j = k0 + t;
+        float2 sc = make_float2(0.f, 0.f);
+        if (j < k_end) {
+          bool on_host;
+          const int64_t r = cache.tier_row(j, on_host);
+          sc = cache.scales(r, on_host);
+        }
+        sc_s[stage * 2 * TILE + t] = sc.x;
+        sc_s[stage * 2 * TILE + TILE + t] = sc.y;
+      }
+    }
   };
 
   issue(k_begin, 0);
@@ -276,8 +330,10 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* ks = kvs + (it & 1) * 2 * TILE * LD;
-    const T* vs = ks + TILE * LD;
+    const C* ks = kvs + (it & 1) * 2 * TILE * LD;
+    const C* vs = ks + TILE * LD;
+    const float* k_sc = sc_s + (it & 1) * 2 * TILE;  // fp8 only
+    const float* v_sc = k_sc + TILE;
 
     // Scores (log2 domain) for (t, g) pairs.
     for (int p = tid; p < TILE * ng; p += kRowThreads) {
@@ -286,7 +342,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
         float sc = -INFINITY;
         if (k0 + t < k_end) {
           const float* qg = qs + g * D;
-          const T* kr = ks + t * LD;
+          const C* kr = ks + t * LD;
           float d0 = 0.f, d1 = 0.f;
 #pragma unroll 4
           for (int e = 0; e < D; e += 8) {
@@ -304,6 +360,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
             d1 = fmaf(qb.w, kf[7], d1);
           }
           sc = d0 + d1;
+          if constexpr (FP8) sc *= k_sc[t];
         }
         ps[t * GM + g] = sc;
       }
@@ -348,6 +405,10 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
         pr[g4 + 1] = pa.y;
         pr[g4 + 2] = pa.z;
         pr[g4 + 3] = pa.w;
+      }
+      if constexpr (FP8) {
+#pragma unroll
+        for (int g = 0; g < GM; ++g) pr[g] *= v_sc[t];
       }
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
@@ -561,9 +622,12 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <typename T, int D, int WARPS, int MT>
+// FP8: the cache is fp8 (ops.h KvLayer); each thread loads its share of the next tile's K/V into registers before
+// computing this one, then stores it, times the scales and rounded to T, into the other stage.
+template <typename T, int D, int WARPS, int MT, bool FP8>
 __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a) {
   using Cfg = TileCfg<D, WARPS, MT>;
+  using C = std::conditional_t<FP8, uint8_t, T>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, LD = Cfg::LD;
   constexpr int NT = BN / 8;  // n-tiles of S
   constexpr int ND = D / 8;   // n-tiles of O
@@ -576,22 +640,72 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
   if (!q_tile(a, qt)) return;
   const int G = qt.G, base_pos = qt.base_pos, max_pos = qt.max_pos;
   const int n_tiles = (qt.n_keys + BN - 1) / BN;
-  const KvHead<T> cache = kv_head<T, D>(a, qt.s, qt.kvh);
+  const KvHead<C> cache = kv_head<C, D>(a, qt.s, qt.kvh);
 
   for_q_parts<T, D, BM, Cfg::kThreads>(a, qt, [&](int r, int part, const T* src, bool ok) {
     cp_async16(Qs + r * LD + part * 8, src, ok);
   }, tid);
   auto issue = [&](int j, int stage) {
-    T* ks = KVs + stage * 2 * BN * LD;
-    T* vs = ks + BN * LD;
-    for_kv_parts<T, D, BN, Cfg::kThreads>(cache, j, qt.n_keys,
-                                          [&](int i, int part, const T* k_src, const T* v_src, bool ok) {
-      cp_async16(ks + i * LD + part * 8, k_src, ok);
-      cp_async16(vs + i * LD + part * 8, v_src, ok);
-    }, tid);
+    if constexpr (!FP8) {
+      T* ks = KVs + stage * 2 * BN * LD;
+      T* vs = ks + BN * LD;
+      for_kv_parts<T, D, BN, Cfg::kThreads>(cache, j, qt.n_keys,
+                                            [&](int i, int part, const T* k_src, const T* v_src, bool ok) {
+        cp_async16(ks + i * LD + part * 8, k_src, ok);
+        cp_async16(vs + i * LD + part * 8, v_src, ok);
+      }, tid);
+    }
     cp_async_commit();
   };
+  // FP8: chunk c of this thread: 16 bytes (elements) of key (tid + c * threads) / (D / 16), at its part % (D / 16).
+  constexpr int kParts = D / 16, kChunks = FP8 ? BN * kParts / Cfg::kThreads : 1;
+  static_assert(!FP8 || BN * kParts % Cfg::kThreads == 0, "attn_tile_kernel: fp8 chunks per thread");
+  uint4 k_raw[kChunks], v_raw[kChunks];
+  float2 kv_sc[kChunks];
+  auto fetch = [&](int j) {  // tile j's chunks into registers (zeros past the keys)
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int idx = tid + c * Cfg::kThreads, key = j * BN + idx / kParts, part = idx % kParts;
+      k_raw[c] = v_raw[c] = make_uint4(0, 0, 0, 0);
+      kv_sc[c] = make_float2(0.f, 0.f);
+      if (key < qt.n_keys) {
+        bool on_host;
+        const int64_t r = cache.tier_row(key, on_host);
+        const KvPtr<C> kv = cache.at(r * cache.cols, on_host);
+        k_raw[c] = *reinterpret_cast<const uint4*>(kv.k + part * 16);
+        v_raw[c] = *reinterpret_cast<const uint4*>(kv.v + part * 16);
+        kv_sc[c] = cache.scales(r, on_host);
+      }
+    }
+  };
+  auto put = [&](int stage) {  // the fetched chunks, times their scales, as T into a stage
+    T* ks = KVs + stage * 2 * BN * LD;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int idx = tid + c * Cfg::kThreads, i = idx / kParts, part = idx % kParts;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint4 raw = kv ? v_raw[c] : k_raw[c];
+        const float sc = kv ? kv_sc[c].y : kv_sc[c].x;
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t packed[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(
+              __nv_fp8x2_storage_t((w[e >> 1] >> (16 * (e & 1))) & 0xffffu), __NV_E4M3)));
+          packed[e] = pack2<T>(f.x * sc, f.y * sc);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(ks + kv * BN * LD + i * LD + part * 16);
+        dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      }
+    }
+  };
   issue(0, 0);  // Q joins the first group
+  if constexpr (FP8) {
+    fetch(0);
+    put(0);
+  }
 
   // m-tile mt of this warp: rows 16 (MT warp + mt) + lane / 4 (accumulator elements 0, 1) and 8 more (2, 3).
   const int row0 = warp * MT * 16 + (lane >> 2);
@@ -611,7 +725,10 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
                           unsigned(((warp * MT * 16 + (lane & 15)) * LD + (lane >> 4) * 8) * 2);
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
+    if constexpr (FP8) {
+      if (j + 1 < n_tiles) fetch(j + 1);  // in flight while this tile is computed
+      cp_async_wait<0>();                 // Q
+    } else if (j + 1 < n_tiles) {
       issue(j + 1, (j + 1) & 1);
       cp_async_wait<1>();
     } else {
@@ -708,6 +825,10 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
         ldsm_x4_t(v_addr + unsigned(kk * 16 * LD * 2) + nd * 32, b[0], b[1], b[2], b[3]);
         mma_pair<T>(o, 2 * nd, pa, b);
       }
+    }
+    // FP8: the next tile into the other stage (every thread passed this iteration's barrier: none reads it).
+    if constexpr (FP8) {
+      if (j + 1 < n_tiles) put((j + 1) & 1);
     }
     __syncthreads();  // this stage is refilled next iteration
   }
@@ -1206,8 +1327,10 @@ void check_shape(const Tensor& q, const KvLayer& cache, const AttnBatch& b, cons
             sh.head_dim, " is not supported (64, 128, 256)");
   QRT_CHECK(sh.kv_heads > 0 && sh.q_heads % sh.kv_heads == 0, "cuda attention: ", sh.q_heads,
             " query heads are not a multiple of ", sh.kv_heads, " kv heads");
-  QRT_CHECK(q.dtype == cache.dtype && out.dtype == q.dtype, "cuda attention: q ", dtype_name(q.dtype), ", cache ",
-            dtype_name(cache.dtype), ", out ", dtype_name(out.dtype), " must match");
+  QRT_CHECK((q.dtype == cache.dtype || cache.fp8()) && out.dtype == q.dtype, "cuda attention: q ",
+            dtype_name(q.dtype), ", cache ", dtype_name(cache.dtype), ", out ", dtype_name(out.dtype), " must match");
+  QRT_CHECK(!cache.fp8() || (cache.k_scale && cache.v_scale && cache.kv_heads == sh.kv_heads),
+            "cuda attention: an fp8 KV cache needs its scales");
   QRT_CHECK(q.cols >= int64_t(sh.q_heads) * sh.head_dim && out.cols >= int64_t(sh.q_heads) * sh.head_dim,
             "cuda attention: q/out have too few columns");
   QRT_CHECK(q.rows >= b.num_tokens && out.rows >= b.num_tokens, "cuda attention: q/out have too few rows");
@@ -1223,6 +1346,10 @@ void attn_args(AttnArgs& a, const Tensor& q, const KvLayer& cache, const AttnBat
   a.host_k = cache.host_k;
   a.host_v = cache.host_v;
   a.host_page0 = cache.host_page0;
+  a.k_scale = cache.k_scale;
+  a.v_scale = cache.v_scale;
+  a.host_k_scale = cache.host_k_scale;
+  a.host_v_scale = cache.host_v_scale;
   a.q_start = b.q_start;
   a.ctx_len = b.ctx_len;
   a.page_table = b.page_table;
@@ -1257,25 +1384,23 @@ void launch_combine(const RowsArgs& a, int D, int granule, cudaStream_t st) {
   check_launch("attention (combine)");
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
               const AttnWorkspace& ws, int nsplit, cudaStream_t st) {
   const int group = sh.q_heads / sh.kv_heads;
   const RowsArgs a = rows_args(q, cache, b, sh, out, ws, nsplit, (group + kGMax - 1) / kGMax);
   dim3 grid(unsigned(nsplit), unsigned(sh.kv_heads * a.gsubs), unsigned(b.num_tokens));
-  if (kRowsGM4 && group <= 4) {  // heads 4..7 of the 8-wide variant would idle
-    constexpr size_t smem = rows_smem_bytes<T, D, 4>();
-    check(cudaFuncSetAttribute(attn_rows_kernel<T, D, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          "attention (smem attribute)");
-    launch_chained(attn_rows_kernel<T, D, 4>, grid, kRowThreads, smem, st, a);
-  } else {
-    constexpr size_t smem = rows_smem_bytes<T, D, kGMax>();
-    check(cudaFuncSetAttribute(attn_rows_kernel<T, D, kGMax>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          "attention (smem attribute)");
-    launch_chained(attn_rows_kernel<T, D, kGMax>, grid, kRowThreads, smem, st, a);
-  }
+  auto go = [&](auto gm) {
+    constexpr int GM = decltype(gm)::value;
+    constexpr size_t smem = rows_smem_bytes<C, D, GM>();
+    check(cudaFuncSetAttribute(attn_rows_kernel<T, C, D, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(smem)), "attention (smem attribute)");
+    launch_chained(attn_rows_kernel<T, C, D, GM>, grid, kRowThreads, smem, st, a);
+  };
+  if (kRowsGM4 && group <= 4) go(std::integral_constant<int, 4>{});  // heads 4..7 of the 8-wide one would idle
+  else go(std::integral_constant<int, kGMax>{});
   check_launch("attention (rows)");
-  if (nsplit > 1) launch_combine<T>(a, D, RowCfg<T>::kTile, st);
+  if (nsplit > 1) launch_combine<T>(a, D, RowCfg<C>::kTile, st);
 }
 
 template <typename T, int D, bool FUSED>
@@ -1294,11 +1419,11 @@ void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Te
   if (a.nsplit > 1) launch_combine<T>(a, D, kDecGranule, st);
 }
 
-template <typename T, int D, int WARPS, int MT>
+template <typename T, int D, int WARPS, int MT, bool FP8 = false>
 void launch_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
                  cudaStream_t st) {
   using Cfg = TileCfg<D, WARPS, MT>;
-  const auto kernel = attn_tile_kernel<T, D, WARPS, MT>;
+  const auto kernel = attn_tile_kernel<T, D, WARPS, MT, FP8>;
   TileArgs a;
   attn_args(a, q, cache, b, sh, out);
   a.tokens_per_tile = Cfg::BM / a.group;
@@ -1367,6 +1492,12 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     const char* e = std::getenv("QWEN_RT_TILE");
     return e && std::strcmp(e, "8x1") == 0;
   }();
+  if (cache.fp8()) {  // the tile kernel converts fp8 K/V as it stages them (the wgmma kernel does not)
+    if constexpr (D <= 128) {
+      if (!eight_warps) return launch_tile<T, D, 4, 2, true>(q, cache, b, sh, out, st);
+    }
+    return launch_tile<T, D, 8, 1, true>(q, cache, b, sh, out, st);
+  }
   if constexpr (D <= 128) {
     // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
     // the fastest form of tools/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).
@@ -1396,8 +1527,15 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
       }
     }
   }
-  const bool decode = aligned && decode_kernel_takes(b, sh, sizeof(T));
+  const bool decode = aligned && !cache.fp8() && decode_kernel_takes(b, sh, sizeof(T));
   const int nsplit = usable_splits(b, sh, ws, decode ? decode_splits(b, sh, num_sms) : choose_splits(b, sh, num_sms));
+  if (cache.fp8()) {  // the rows kernel, reading e4m3
+    switch (sh.head_dim) {
+      case 64: run_rows<T, uint8_t, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
+      case 128: run_rows<T, uint8_t, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
+      case 256: run_rows<T, uint8_t, 256>(q, cache, b, sh, out, ws, nsplit, st); return;
+    }
+  }
   if constexpr (sizeof(T) == 2) {
     if (decode) {
       DecodeArgs a{};
@@ -1408,9 +1546,9 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
     }
   }
   switch (sh.head_dim) {
-    case 64: run_rows<T, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
-    case 128: run_rows<T, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
-    case 256: run_rows<T, 256>(q, cache, b, sh, out, ws, nsplit, st); return;
+    case 64: run_rows<T, T, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
+    case 128: run_rows<T, T, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
+    case 256: run_rows<T, T, 256>(q, cache, b, sh, out, ws, nsplit, st); return;
   }
 }
 

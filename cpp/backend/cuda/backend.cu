@@ -463,6 +463,7 @@ void CudaBackend::write_kv(const Tensor& k, const Tensor& v, const AttnBatch& b,
   QRT_CHECK(k.rows == v.rows && k.cols == v.cols, "cuda write_kv: k and v differ in shape");
   QRT_CHECK(k.rows <= b.num_tokens || b.num_tokens == 0, "cuda write_kv: ", k.rows, " rows for ", b.num_tokens,
             " tokens");
+  if (cache.fp8()) return launch_write_kv_fp8(k, v, b, cache, stream_);
   launch_copy_rows(k.data, k.dtype, k.stride, nullptr, cache.k, cache.dtype, k.cols, b.kv_rows, k.rows, k.cols,
                    stream_);
   launch_copy_rows(v.data, v.dtype, v.stride, nullptr, cache.v, cache.dtype, v.cols, b.kv_rows, v.rows, v.cols,

@@ -50,6 +50,20 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// One kv head of an fp8 KV cache row (ops.h KvLayer), by one warp whose lane holds elements lane + 32 j (x: the
+// values as the activations' dtype holds them): s = amax / 448 (1 for zeros), dst = e4m3(x / s), *scale = s.
+template <int NJ>
+__device__ __forceinline__ void store_fp8_head(const float (&x)[NJ], uint8_t* dst, float* scale) {
+  const int lane = threadIdx.x & 31;
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) amax = fmaxf(amax, fabsf(x[j]));
+  amax = warp_max(amax);
+  const float s = amax > 0.f ? amax / 448.0f : 1.0f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = __nv_cvt_float_to_fp8(x[j] / s, __NV_SATFINITE, __NV_E4M3);
+  if (lane == 0) *scale = s;
+}
 // Sum over the block (every thread must call; returns the total to all; reusable back to back).
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float red[32];
@@ -223,6 +237,8 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
                        cudaStream_t s);
+// Backend::write_kv into an fp8 cache (k and v in the activations' dtype, any head_dim).
+void launch_write_kv_fp8(const Tensor& k, const Tensor& v, const AttnBatch& b, const KvLayer& cache, cudaStream_t s);
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);
 void launch_fill_tokens(int32_t* ids, const int32_t* src_index, const int32_t* src, int n, cudaStream_t s);
 // One thread that spins for ms milliseconds (tests: a step that does not finish in time).

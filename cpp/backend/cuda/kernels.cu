@@ -436,7 +436,8 @@ namespace {
 template <typename T, int NJ, int HJ>  // NJ = head_dim / 32, HJ = rot_dim / 64 (compile time: v[] in registers)
 __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int hkv, const void* qw, const void* kw,
                                   DType nt, float eps, bool zc, const int32_t* positions, const float* cs_tab,
-                                  int rot_dim, int max_pos, const int32_t* kv_rows, T* kc, T* vc) {
+                                  int rot_dim, int max_pos, const int32_t* kv_rows, void* kc, void* vc,
+                                  float* k_scale, float* v_scale) {
   grid_release();
   grid_wait();
   constexpr int D = NJ * 32;
@@ -453,11 +454,22 @@ __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int 
   for (int j = 0; j < NJ; ++j) v[j] = to_f(p[lane + 32 * j]);
   const int32_t kv_row = kv_rows[r];
   const int64_t cache_row = int64_t(kv_row) * (int64_t(hkv) * D);
-  if (h >= hq + hkv) {  // a v head: only the cache write
-    if (kv_row < 0) return;
-    T* dst = vc + cache_row + int64_t(h - hq - hkv) * D;
+  // Head j's values into K (or V) cache row kv_row: as T, or (k_scale set: an fp8 cache) quantized with its scale.
+  auto store = [&](void* cache, float* scales, int j) {
+    const int64_t at = cache_row + int64_t(j) * D;
+    if (k_scale) {
+      float x[NJ];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
+      for (int i = 0; i < NJ; ++i) x[i] = to_f(from_f<T>(v[i]));  // what a T cache row would hold
+      store_fp8_head<NJ>(x, static_cast<uint8_t*>(cache) + at, scales + int64_t(kv_row) * hkv + j);
+      return;
+    }
+    T* dst = static_cast<T*>(cache) + at;
+#pragma unroll
+    for (int i = 0; i < NJ; ++i) dst[lane + 32 * i] = from_f<T>(v[i]);
+  };
+  if (h >= hq + hkv) {  // a v head: only the cache write
+    if (kv_row >= 0) store(vc, v_scale, h - hq - hkv);
     return;
   }
   const bool is_q = h < hq;
@@ -488,11 +500,32 @@ __global__ void finish_qkv_kernel(T* qkv, int64_t qs, int64_t rows, int hq, int 
   }
 #pragma unroll
   for (int j = 0; j < NJ; ++j) p[lane + 32 * j] = from_f<T>(v[j]);
-  if (!is_q && kv_row >= 0) {
-    T* dst = kc + cache_row + int64_t(h - hq) * D;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) dst[lane + 32 * j] = from_f<T>(v[j]);
-  }
+  if (!is_q && kv_row >= 0) store(kc, k_scale, h - hq);
+}
+
+// write_kv into an fp8 cache: one warp per (row, kv head) of k or of v, any head_dim (two passes over the head).
+template <typename T>
+__global__ void write_kv_fp8_kernel(const T* k, int64_t ks, const T* v, int64_t vs, int64_t rows, int heads, int D,
+                                    const int32_t* kv_rows, uint8_t* kc, uint8_t* vc, float* k_scale,
+                                    float* v_scale) {
+  grid_release();
+  grid_wait();
+  const int64_t task = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (task >= rows * heads * 2) return;
+  const int lane = threadIdx.x & 31;
+  const bool is_v = task >= rows * heads;
+  const int64_t t = is_v ? task - rows * heads : task, r = t / heads;
+  const int h = int(t % heads);
+  const int32_t row = kv_rows[r];
+  if (row < 0) return;
+  const T* src = (is_v ? v + r * vs : k + r * ks) + int64_t(h) * D;
+  float amax = 0.f;
+  for (int i = lane; i < D; i += 32) amax = fmaxf(amax, fabsf(to_f(src[i])));
+  amax = warp_max(amax);
+  const float s = amax > 0.f ? amax / 448.0f : 1.0f;
+  uint8_t* dst = (is_v ? vc : kc) + (int64_t(row) * heads + h) * D;
+  for (int i = lane; i < D; i += 32) dst[i] = __nv_cvt_float_to_fp8(to_f(src[i]) / s, __NV_SATFINITE, __NV_E4M3);
+  if (lane == 0) (is_v ? v_scale : k_scale)[int64_t(row) * heads + h] = s;
 }
 
 }  // namespace
@@ -502,7 +535,7 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
                        cudaStream_t s) {
   const int D = sh.head_dim;
   if ((D != 64 && D != 128 && D != 256) || tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
-      tab.rot_dim / 64 == 3 || cache.dtype != qkv.dtype)
+      tab.rot_dim / 64 == 3 || (cache.dtype != qkv.dtype && !cache.fp8()))
     return false;  // the caller composes the single ops
   if (qn && kn && qn->dtype != kn->dtype) return false;
   if (qkv.rows == 0) return true;
@@ -514,7 +547,8 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
       launch_chained(kernel, ceil_div(tasks, 8), 256, 0, s, qkv.ptr<T>(), qkv.stride, qkv.rows, sh.q_heads, sh.kv_heads,
                                                  qn ? qn->data : nullptr, kn ? kn->data : nullptr, nt, eps, zc,
                                                  positions, tab.cos_sin, tab.rot_dim, tab.max_positions, b.kv_rows,
-                                                 static_cast<T*>(cache.k), static_cast<T*>(cache.v));
+                                                 cache.k, cache.v, cache.fp8() ? cache.k_scale : nullptr,
+                                                 cache.fp8() ? cache.v_scale : nullptr);
     };
     const int hj = tab.rot_dim / 64;  // 1, 2 or 4 (checked above), at most NJ / 2
     if (D == 64) go(finish_qkv_kernel<T, 2, 1>);
@@ -525,6 +559,21 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
   });
   check_launch("finish_qkv");
   return true;
+}
+
+void launch_write_kv_fp8(const Tensor& k, const Tensor& v, const AttnBatch& b, const KvLayer& cache, cudaStream_t s) {
+  QRT_CHECK(cache.fp8() && cache.k_scale && cache.v_scale && cache.kv_heads > 0 && k.cols % cache.kv_heads == 0,
+            "cuda write_kv: an fp8 KV cache needs its scales");
+  QRT_CHECK(k.dtype == v.dtype, "cuda write_kv: k and v differ in dtype");
+  if (k.rows == 0) return;
+  const int64_t tasks = k.rows * cache.kv_heads * 2;
+  dispatch_act(k.dtype, "write_kv", [&](auto tag) {
+    using T = decltype(tag);
+    launch_chained(write_kv_fp8_kernel<T>, ceil_div(tasks, 8), 256, 0, s, k.ptr<T>(), k.stride, v.ptr<T>(), v.stride,
+                   k.rows, cache.kv_heads, int(k.cols / cache.kv_heads), b.kv_rows, static_cast<uint8_t*>(cache.k),
+                   static_cast<uint8_t*>(cache.v), cache.k_scale, cache.v_scale);
+  });
+  check_launch("write_kv (fp8)");
 }
 
 }  // namespace qrt::cuda

@@ -13,10 +13,12 @@ constexpr int kScoreWarps = 4, kScorePagesPerWarp = 8;
 constexpr int kSelectThreads = 1024;
 
 // Block t: the step's row t, when it is the step's last in its page, recomputes that page's per-column min and max
-// over the page's rows up to it (the rows of a page belong to one sequence, in order).
+// over the page's rows up to it (the rows of a page belong to one sequence, in order). T: the cache's elements and
+// the summaries', or (fp8 cache, k_scale set) the summaries' with the keys e4m3 times their scales.
 template <typename T>
-__global__ void __launch_bounds__(kSummaryThreads) summarize_kernel(const T* k, T* sum, const int32_t* kv_rows,
-                                                                    int num_tokens, int page_size, int64_t cols) {
+__global__ void __launch_bounds__(kSummaryThreads) summarize_kernel(const void* k, const float* k_scale, int heads,
+                                                                    T* sum, const int32_t* kv_rows, int num_tokens,
+                                                                    int page_size, int64_t cols) {
   grid_release();
   grid_wait();
   const int t = blockIdx.x, row = kv_rows[t];
@@ -26,11 +28,14 @@ __global__ void __launch_bounds__(kSummaryThreads) summarize_kernel(const T* k, 
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     float lo = INFINITY, hi = -INFINITY;
     for (int r = page * page_size; r <= row; ++r) {
-      const float x = to_f(k[int64_t(r) * cols + c]);
+      const int64_t i = int64_t(r) * cols + c;
+      const float x = k_scale ? load_any(k, DType::F8E4M3, i) * k_scale[int64_t(r) * heads + c / (cols / heads)]
+                              : to_f(static_cast<const T*>(k)[i]);
       lo = fminf(lo, x);
       hi = fmaxf(hi, x);
     }
-    sum[int64_t(2 * page) * cols + c] = from_f<T>(lo);  // exact: the keys are values of T
+    // Exact where the keys are values of T (a T cache); an fp8 cache's are rounded to nearest.
+    sum[int64_t(2 * page) * cols + c] = from_f<T>(lo);
     sum[int64_t(2 * page + 1) * cols + c] = from_f<T>(hi);
   }
 }
@@ -208,11 +213,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs
 void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols, cudaStream_t st) {
   QRT_CHECK(cache.summary, "cuda summarize_pages: the cache has no page summaries");
   if (b.num_tokens == 0) return;
-  dispatch_act(cache.dtype, "summarize_pages", [&](auto tag) {
+  QRT_CHECK(cache.fp8() ? cache.k_scale != nullptr && cache.kv_heads > 0 : cache.summary_dtype == cache.dtype,
+            "cuda summarize_pages: summaries of ",
+            dtype_name(cache.summary_dtype), " for a cache of ", dtype_name(cache.dtype));
+  dispatch_act(cache.summary_dtype, "summarize_pages", [&](auto tag) {
     using T = decltype(tag);
-    launch_chained(summarize_kernel<T>, unsigned(b.num_tokens), kSummaryThreads, 0, st,
-                   static_cast<const T*>(cache.k), static_cast<T*>(cache.summary), b.kv_rows, b.num_tokens,
-                   b.page_size, int64_t(kv_cols));
+    launch_chained(summarize_kernel<T>, unsigned(b.num_tokens), kSummaryThreads, 0, st, cache.k,
+                   cache.fp8() ? cache.k_scale : nullptr, std::max(cache.kv_heads, 1), static_cast<T*>(cache.summary),
+                   b.kv_rows, b.num_tokens, b.page_size, int64_t(kv_cols));
   });
   check_launch("summarize_pages");
 }
@@ -220,8 +228,8 @@ void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_col
 void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
                          const SparseAttention& rule, float* scores, int32_t* pages, int32_t* keys, cudaStream_t st) {
   QRT_CHECK(cache.summary, "cuda select_pages: the cache has no page summaries");
-  QRT_CHECK(q.dtype == cache.dtype, "cuda select_pages: q ", dtype_name(q.dtype), " and the cache ",
-            dtype_name(cache.dtype), " differ");
+  QRT_CHECK(q.dtype == cache.summary_dtype, "cuda select_pages: q ", dtype_name(q.dtype), " and the summaries ",
+            dtype_name(cache.summary_dtype), " differ");
   QRT_CHECK(sh.head_dim == 64 || sh.head_dim == 128 || sh.head_dim == 256, "cuda select_pages: head_dim ",
             sh.head_dim, " (64, 128, 256)");
   if (b.num_seqs == 0) return;
