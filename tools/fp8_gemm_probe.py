@@ -19,8 +19,9 @@ def main() -> int:
 
     cpu, gpu = _core.OpHarness("cpu", "float32"), _core.OpHarness("cuda:0", "bfloat16")
     os.environ["QWEN_RT_GEMV_ROWS"] = "0"
+    os.environ["QWEN_RT_GEMM_VERBOSE"] = "1"  # each declined plan prints cuBLASLt's reason
     rng = np.random.default_rng(0)
-    for m, n, k in [(64, 1024, 4096), (200, 384, 512)]:
+    for m, n, k in [(64, 1024, 4096), (200, 384, 512), (9, 256, 1024)]:
         q, s = fp8_weights(cpu, rng, n, k, 7)
         w = q.astype(np.float64) * np.repeat(np.repeat(s, 128, 0)[:n], 128, 1)[:, :k]
         x = rand(rng, (m, k), -1, 1, "bfloat16")

@@ -377,14 +377,16 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
     const std::string order = e ? e : "mn,k";
     const bool x_kmajor = order.rfind("k,", 0) == 0, w_mnmajor = order.size() > 2 && order.substr(order.size() - 2) == "mn";
     const bool x_first = form == 2;
-    const int64_t groups = K / kFp8Block, nb = N / kFp8Block;
-    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * M) * 4;
+    // Rows-fastest activation scales keep each group's M scales 16-byte aligned (M rounded up to 4), as cuBLASLt's
+    // outer-dimension-major scale layout asks.
+    const int64_t groups = K / kFp8Block, nb = N / kFp8Block, m4 = (M + 3) / 4 * 4;
+    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * m4) * 4;
     const size_t t_bytes = x_first ? size_t(M * N) * dtype_size(out.dtype) : 0, w_bytes = size_t(nb * groups) * 4;
     char* buf = static_cast<char*>(scratch(fp8_x_, x_bytes + s_bytes + w_bytes + t_bytes + 64, "fp8 activations"));
     float* x_scale = reinterpret_cast<float*>(buf + x_bytes);
     float* w_t = reinterpret_cast<float*>(buf + x_bytes + s_bytes);
     void* d = buf + x_bytes + s_bytes + w_bytes;
-    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, x_kmajor ? groups : 1, x_kmajor ? 1 : M,
+    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, x_kmajor ? groups : 1, x_kmajor ? 1 : m4,
                              stream_);
     const float* w_scale = lw.scale.ptr<float>();
     if (w_mnmajor) {

@@ -1,5 +1,7 @@
 #include "backend/cuda/gemm.cuh"
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -131,6 +133,13 @@ void LtGemm::find_algo(Plan& p, int al_a, int al_b, int al_c) {
   cublasLtMatmulPreferenceDestroy(pref);
   p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
   if (p.ok) p.algo = res.algo;
+  static const bool verbose = [] {
+    const char* e = std::getenv("QWEN_RT_GEMM_VERBOSE");
+    return e && *e == '1';
+  }();
+  if (verbose && !p.ok)  // tools/fp8_gemm_probe.py: why cuBLASLt declined a plan
+    std::fprintf(stderr, "cuBLASLt declined a plan: heuristic status %d (%s), %d algorithms\n", int(st),
+                 cublasLtGetStatusName(st), found);
 }
 
 bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8,
