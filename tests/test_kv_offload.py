@@ -41,6 +41,9 @@ def test_contexts_8x_the_device_pool_equal_the_run_without_a_host_tier(build, fr
     assert st["pages_on_device"] <= 10
     assert st["kv_bytes_to_host"] >= 70 * M.kv_bytes(folder, 1, PS)  # the 310-token prompt's pages went out
     assert st["pages_on_host"] > 0  # the prompts' cached pages
+    # Decode steps of the 310-token prompt found most of its ~80 pages on the host (the device holds 10).
+    assert st["page_reads_host"] > 11 * 60 and st["page_reads_device"] > 0
+    assert ref.stats()["page_reads_host"] == ref.stats()["page_reads_device"] == 0  # counted with a host tier only
 
 
 def test_prefix_hit_on_pages_in_the_host_tier(build, fresh_gen):

@@ -181,6 +181,8 @@ NB_MODULE(_core, m) {
         d["pages_on_device"] = s.pages_on_device;
         d["pages_on_host"] = s.pages_on_host;
         d["kv_bytes_to_host"] = s.kv_bytes_to_host;
+        d["page_reads_device"] = s.page_reads_device;
+        d["page_reads_host"] = s.page_reads_host;
         d["kv_bytes_to_device"] = s.kv_bytes_to_device;
         d["spec_drafted"] = s.spec_drafted;
         d["spec_accepted"] = s.spec_accepted;

@@ -825,6 +825,8 @@ PageMoves Engine::Impl::to_frames(StepInput& in) {
   std::lock_guard<std::mutex> lk(mu);
   snapshot.kv_bytes_to_host += int64_t(moves.out.size() * host_page_bytes);
   snapshot.kv_bytes_to_device += int64_t(moves.in.size() * host_page_bytes);
+  snapshot.page_reads_device += moves.reads_device;
+  snapshot.page_reads_host += moves.reads_host;
   snapshot.pages_on_device = tiers->on_device();
   snapshot.pages_on_host = tiers->on_host();
   return moves;

@@ -65,6 +65,8 @@ struct EngineStats {
   size_t kv_host_bytes = 0;
   int device_pages = 0, pages_on_device = 0, pages_on_host = 0;
   int64_t kv_bytes_to_host = 0, kv_bytes_to_device = 0;
+  // Pages the steps' attention read from device frames and, in place, from host memory (kv/tiers.h PageMoves).
+  int64_t page_reads_device = 0, page_reads_host = 0;
   // Speculation: draft tokens fed, those the samples confirmed, and confirmed by position in the draft.
   int64_t spec_drafted = 0, spec_accepted = 0;
   std::vector<int64_t> spec_accepted_at;

@@ -93,6 +93,10 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
     const int f = pages_[size_t(page)].frame;
     page = f >= 0 ? f : 0;  // columns past a sequence's pages hold page ids that are never read
   }
+  for (int q = 0; q < s.num_seqs(); ++q)
+    for (int c = 0; c < (s.ctx_len[size_t(q)] + ps - 1) / ps; ++c)
+      (on_host_frame(s.page_table[size_t(q) * size_t(s.max_pages) + size_t(c)]) ? moves.reads_host
+                                                                                 : moves.reads_device)++;
   return moves;
 }
 

@@ -22,6 +22,9 @@ namespace qrt {
 struct PageMoves {
   std::vector<std::pair<int, int>> out, in;  // (from frame, to frame)
   bool empty() const { return out.empty() && in.empty(); }
+  // The step's pages (every sequence's, whole or partly filled) in each tier once moved: what its attention reads
+  // from device frames and, in place, from host memory (sparse decode then reads a selection of them).
+  int64_t reads_device = 0, reads_host = 0;
 };
 
 class TierMap {
