@@ -33,11 +33,12 @@ def test_greedy_equals_no_speculation(build, fresh_gen, head, k):
     prompts = M.pick_prompts(folder, seed=31, lengths=[5, 23, 40, 12], max_new=20)
     kw = dict(max_batch_size=4, max_num_batched_tokens=16)  # prompts in chunks
     want = run(fresh_gen(folder, **kw), prompts, 20, **GREEDY)
-    gen = fresh_gen(folder, speculative_tokens=k, **kw)
+    # Drafting never pauses: every decode step of the random head rolls back.
+    gen = fresh_gen(folder, speculative_tokens=k, speculative_min_acceptance=0, **kw)
     got = run(gen, prompts, 20, **GREEDY)
     same(got, want)
     st = gen.stats()
-    assert st["spec_drafted"] > 0 and len(st["spec_accepted_at"]) == k
+    assert st["spec_drafted"] > 0 and len(st["spec_accepted_at"]) == k and st["spec_pauses"] == 0
     rate = st["spec_accepted"] / st["spec_drafted"]
     if head == "mtp_echo":
         assert rate > 0.4, st  # the head mostly agrees: most steps emit several tokens
@@ -46,6 +47,25 @@ def test_greedy_equals_no_speculation(build, fresh_gen, head, k):
         assert rate < 0.3, st
     # A prefix hit (the same prompts again) and the DeltaNet snapshots it resumes from: the same output.
     same(run(gen, prompts, 20, **GREEDY), want)
+
+
+def test_drafting_pauses_where_drafts_do_not_stand(build, fresh_gen):
+    """The random head's drafts rarely stand: each request soon decodes plainly for speculative_pause_steps steps
+    between tries (fewer drafts fed, fewer wasted rows); the echo head's mostly stand and never pause. Outputs are
+    the plain run's either way."""
+    for head, pauses in (("mtp_random", True), ("mtp_echo", False)):
+        folder = build("qwen35_hybrid+" + head)
+        prompts = M.pick_prompts(folder, seed=33, lengths=[7, 30], max_new=40)
+        want = run(fresh_gen(folder, max_batch_size=2), prompts, 40, **GREEDY)
+        always = fresh_gen(folder, max_batch_size=2, speculative_tokens=2, speculative_min_acceptance=0)
+        adaptive = fresh_gen(folder, max_batch_size=2, speculative_tokens=2, speculative_pause_steps=12)
+        same(run(always, prompts, 40, **GREEDY), want)
+        same(run(adaptive, prompts, 40, **GREEDY), want)
+        a, b = always.stats(), adaptive.stats()
+        if pauses:
+            assert b["spec_pauses"] >= 2 and b["spec_drafted"] < a["spec_drafted"] / 2, (a, b)
+        else:
+            assert b["spec_pauses"] == 0 and b["spec_drafted"] == a["spec_drafted"], (a, b)
 
 
 def test_sampling_equals_no_speculation(build, fresh_gen):

@@ -96,6 +96,8 @@ NB_MODULE(_core, m) {
       .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens)
       .def_rw("speculative_tokens", &EngineOptions::speculative_tokens)
       .def_rw("speculative_max_batch", &EngineOptions::speculative_max_batch)
+      .def_rw("speculative_min_acceptance", &EngineOptions::speculative_min_acceptance)
+      .def_rw("speculative_pause_steps", &EngineOptions::speculative_pause_steps)
       .def_rw("synthetic_prefill", &EngineOptions::synthetic_prefill);
 
   nb::class_<SamplingOptions>(m, "SamplingOptions")
@@ -185,6 +187,7 @@ NB_MODULE(_core, m) {
         d["page_reads_host"] = s.page_reads_host;
         d["kv_bytes_to_device"] = s.kv_bytes_to_device;
         d["spec_drafted"] = s.spec_drafted;
+        d["spec_pauses"] = s.spec_pauses;
         d["spec_accepted"] = s.spec_accepted;
         d["spec_accepted_at"] = s.spec_accepted_at;
         return d;

@@ -322,6 +322,9 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   QRT_CHECK_ARG(opt.speculative_tokens >= 0 && opt.speculative_tokens <= 8, "speculative_tokens must be in [0, 8], got ",
                 opt.speculative_tokens);
   QRT_CHECK_ARG(opt.speculative_max_batch >= 1, "speculative_max_batch must be >= 1");
+  QRT_CHECK_ARG(opt.speculative_min_acceptance >= 0 && opt.speculative_min_acceptance <= 1,
+                "speculative_min_acceptance must be in [0, 1], got ", opt.speculative_min_acceptance);
+  QRT_CHECK_ARG(opt.speculative_pause_steps >= 0, "speculative_pause_steps must be >= 0");
   opt.speculative_max_batch = std::min(opt.speculative_max_batch, opt.max_batch_size);
   if (opt.speculative_tokens == 0) {
     cfg.mtp_layers = 0;  // the head is loaded for speculation only
@@ -802,6 +805,11 @@ void Engine::Impl::complete(std::unique_ptr<Flight> f) {
                               &taken);
         snapshot.spec_drafted += int64_t(s.draft.size());
         snapshot.spec_accepted += n;
+        q.draft_acceptance = 0.75f * q.draft_acceptance + 0.25f * float(n) / float(s.draft.size());
+        if (q.draft_acceptance < opt.speculative_min_acceptance) {
+          q.plain_steps = opt.speculative_pause_steps;
+          snapshot.spec_pauses++;
+        }
         snapshot.spec_accepted_at.resize(size_t(opt.speculative_tokens), 0);
         for (int i = 0; i < n; ++i) snapshot.spec_accepted_at[size_t(i)]++;
         if (fin == Finish::None && n < int(s.draft.size()) && s.keep >= 0) rollbacks.emplace_back(s.keep + n, q.slot);
@@ -901,6 +909,10 @@ void Engine::Impl::draft(const Plan& plan) {
     // With sparse decode, verification rows attend to every page (selection is per sequence, for one-row decodes):
     // drafts stop where the plain run would start selecting, so the output stays the plain run's.
     if (sparse.budget_pages > 0) room = std::min(room, sparse.budget_pages * ps - q.length());
+    if (q.plain_steps > 0) {  // drafts stopped paying: plain decode for a while (then one more try)
+      --q.plain_steps;
+      continue;
+    }
     if (q.computed != q.length() - 1 || !o.speculative || o.penalized() || room < 1 ||
         int(drafters.size()) >= opt.speculative_max_batch)
       continue;

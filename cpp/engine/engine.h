@@ -44,6 +44,11 @@ struct EngineOptions {
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
   int speculative_tokens = 0;
   int speculative_max_batch = 2;
+  // A request whose drafts' running acceptance (engine.cpp) falls below this decodes plainly for
+  // speculative_pause_steps steps, then drafts again: speculation stops costing where it stops paying (long contexts,
+  // text the head predicts badly). 0: never pause.
+  double speculative_min_acceptance = 0.3;
+  int speculative_pause_steps = 16;
   // Benchmarks only: prompts' K/V but the last token's are random stand-ins (the KV cache is filled with random
   // values at start) and hybrid models' states start from zeros; a prompt's first step computes its last token
   // alone. Outputs are those of no real context. Turns prefix caching off.
@@ -69,6 +74,7 @@ struct EngineStats {
   int64_t page_reads_device = 0, page_reads_host = 0;
   // Speculation: draft tokens fed, those the samples confirmed, and confirmed by position in the draft.
   int64_t spec_drafted = 0, spec_accepted = 0;
+  int64_t spec_pauses = 0;  // times a request's drafting paused (speculative_min_acceptance)
   std::vector<int64_t> spec_accepted_at;
 };
 

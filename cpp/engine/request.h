@@ -68,6 +68,10 @@ struct Request {
   bool finishing = false;   // the pending token is its last (length limit): nothing more to plan
   bool finished = false;    // finished or cancelled; kept alive only while an in-flight step refers to it
   std::vector<int32_t> draft;  // speculation: tokens guessed to follow its last one, fed (and verified) next step
+  // Speculation's running share of this request's draft tokens that stood (each verified step weighs 1/4), and the
+  // steps it decodes plainly before drafting again once that share fell below speculative_min_acceptance.
+  float draft_acceptance = 1.0f;
+  int plain_steps = 0;
 
   int length() const { return int(prompt.size() + output.size()); }
   int32_t token_at(int i) const { return i < int(prompt.size()) ? prompt[i] : output[i - prompt.size()]; }

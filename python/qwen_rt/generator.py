@@ -333,7 +333,8 @@ class Generator:
                  check_weights: bool = True, quantization: str | None = None,
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
                  speculative_tokens: int = 0, speculative_max_batch: int = 2, synthetic_prefill: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", speculative_min_acceptance: float = 0.3,
+                 speculative_pause_steps: int = 16):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -347,7 +348,8 @@ class Generator:
                             ("tensor_parallel_size", tensor_parallel_size, 1), ("page_size", page_size, 1),
                             ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0),
                             ("state_snapshots", state_snapshots, 0), ("speculative_tokens", speculative_tokens, 0),
-                            ("speculative_max_batch", speculative_max_batch, 1)):
+                            ("speculative_max_batch", speculative_max_batch, 1),
+                            ("speculative_pause_steps", speculative_pause_steps, 0)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
@@ -368,6 +370,11 @@ class Generator:
             raise TypeError("kv_offload_memory must be an int (bytes) or None")
         if kv_offload_memory is not None and not 0 < kv_offload_memory < 2**63:
             raise ValueError(f"kv_offload_memory must be in (0, 2**63) bytes, got {kv_offload_memory}")
+        if isinstance(speculative_min_acceptance, bool) or not isinstance(speculative_min_acceptance, numbers.Real):
+            raise TypeError("speculative_min_acceptance must be a number, got "
+                            f"{type(speculative_min_acceptance).__name__}")
+        if not 0 <= speculative_min_acceptance <= 1:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {speculative_min_acceptance}")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real):
             raise TypeError(f"gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -447,6 +454,8 @@ class Generator:
         opts.check_weights = check_weights
         opts.speculative_tokens = speculative_tokens
         opts.speculative_max_batch = speculative_max_batch
+        opts.speculative_min_acceptance = float(speculative_min_acceptance)
+        opts.speculative_pause_steps = speculative_pause_steps
         opts.synthetic_prefill = synthetic_prefill
         if sparse_attention is not None:
             opts.sparse_budget_tokens = sparse_attention.budget_tokens
