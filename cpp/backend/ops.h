@@ -66,7 +66,7 @@ struct KvLayer {
   // Sparse decode's page summaries (null when off): rows 2 p and 2 p + 1 hold, per column, the min and the max of
   // the keys page p holds so far ([2 * (pages + 1), kv_cols] in summary_dtype; summarize_pages keeps them).
   void* summary = nullptr;
-  DType summary_dtype = DType::F32;  // the KV dtype, or (FP8) the activations' dtype
+  DType summary_dtype = DType::F32;  // the KV dtype, or (FP8) the activations' dtype, rounded outward
   // Host tier (Generator(kv_offload_memory)): pages from host_page0 on are rows (page - host_page0) * page_size of
   // host_k and host_v, host memory the kernels read directly (Backend::alloc_host_tier). New K/V go to the device
   // tier only: a step writes no host page. Summaries cover the pages of both tiers.

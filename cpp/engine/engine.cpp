@@ -554,8 +554,7 @@ void Engine::Impl::fit_memory(bool default_len, DType wdt, DType adt, DType kvdt
   // The most pages the pool could take (build sizes it from what is left after loading: fewer).
   double pages = opt.kv_cache_memory > 0 ? double(opt.kv_cache_memory) / f.kv_page
                                          : (cuda ? opt.gpu_memory_utilization : 0.25 / n) * free_b / f.kv_page;
-  if (opt.kv_offload_memory > 0 && f.kv_page > 0)  // the host tier's pages (a host frame has no summary rows)
-    pages += double(opt.kv_offload_memory) / (f.kv_page * opt.page_size / (opt.page_size + (sh.sparse ? 1 : 0)));
+  if (opt.kv_offload_memory > 0 && f.kv_host_page > 0) pages += double(opt.kv_offload_memory) / f.kv_host_page;
   opt.max_model_len = int(std::min<double>(opt.max_model_len, std::floor(pages) * opt.page_size + 1));
   opt.max_model_len = std::max(opt.max_model_len, 2);
 }

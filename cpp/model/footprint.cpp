@@ -168,6 +168,7 @@ Footprint footprint(const ModelConfig& c, const FootprintShape& s) {
   kvf.summaries = s.sparse;
   kvf.summary_dtype = KvFormat::summary_dtype_for(s.kv, s.act);
   f.kv_page = double(kvf.page_bytes());
+  f.kv_host_page = double(kvf.host_page_bytes());
   if (c.mtp_layers) f.workspace += T * (2 * H + H) * as;  // the MTP head's input [T, 2H] and hidden rows [T, H]
   if (c.mtp_layers) f.workspace += T * H * as;           // the final norm's rows (the MTP head's input)
   if (s.sparse && c.num_attention_layers()) {  // scores and page lists [S, kv heads, columns], keys [S, kv heads]

@@ -28,7 +28,8 @@ struct Footprint {
   double weights = 0;        // QwenModel::weight_bytes()
   double workspace = 0;      // a full step's activations, logits and metadata
   double rope_position = 0;  // the RoPE table, per position
-  double kv_page = 0;        // one page of every attention layer's K and V
+  double kv_page = 0;        // one page of every attention layer's K and V (a device frame: with its summaries)
+  double kv_host_page = 0;   // the same in the host tier (no summaries)
   double state_slot = 0;     // one slot's DeltaNet state (hybrid models)
   double select_page = 0;    // sparse decode: select_pages' scratch per page-table column (in workspace too)
 };

@@ -31,7 +31,7 @@ void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, 
         maxs[c] = std::max(maxs[c], k_row[c]);
       }
     }
-    // Exact where the summary's dtype holds the keys' values (fp32, or the KV dtype); else rounded to nearest.
+    // Exact: the summary's dtype holds the keys' values (the KV dtype, or fp32 for an fp8 cache).
     store_row_f32(mins.data(), sum, 2 * int64_t(page));
     store_row_f32(maxs.data(), sum, 2 * int64_t(page) + 1);
   });

@@ -277,6 +277,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
 
   const KvHead<C> cache = kv_head<C, D>(a, s, kvh);
 
+  float2 next_sc;  // fp8: the scales of the tile issue() loaded last, thread t < TILE holding key t's
   auto issue = [&](int k0, int stage) {
     C* ks = kvs + stage * 2 * TILE * LD;
     C* vs = ks + TILE * LD;
@@ -289,22 +290,25 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
       cp_async16(vs + t * LD + part * EPC, kv.v + part * EPC, ok);
     }
     cp_async_commit();
-    if constexpr (FP8) {  // plain loads: read after the barrier that follows this stage's wait
-      for (int t = tid; t < TILE; t += kRowThreads) {
-        const int j = k0 + t;
-        float2 sc = make_float2(0.f, 0.f);
-        if (j < k_end) {
-          bool on_host;
-          const int64_t r = cache.tier_row(j, on_host);
-          sc = cache.scales(r, on_host);
-        }
-        sc_s[stage * 2 * TILE + t] = sc.x;
-        sc_s[stage * 2 * TILE + TILE + t] = sc.y;
+    if constexpr (FP8) {  // into registers now, into shared memory (put_scales) once this tile is computed
+      static_assert(TILE <= kRowThreads, "a key's scales per thread");
+      next_sc = make_float2(0.f, 0.f);
+      if (tid < TILE && k0 + tid < k_end) {
+        bool on_host;
+        const int64_t r = cache.tier_row(k0 + tid, on_host);
+        next_sc = cache.scales(r, on_host);
       }
+    }
+  };
+  auto put_scales = [&](int stage) {
+    if (tid < TILE) {
+      sc_s[stage * 2 * TILE + tid] = next_sc.x;
+      sc_s[stage * 2 * TILE + TILE + tid] = next_sc.y;
     }
   };
 
   issue(k_begin, 0);
+  if constexpr (FP8) put_scales(0);
   {
     const T* qr = static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
     for (int i = tid; i < GM * D; i += kRowThreads) qs[i] = i < ng * D ? to_f(qr[i]) * a.scale_log2 : 0.f;
@@ -415,6 +419,11 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
         acc[g][0] = fmaf(pr[g], v.x, acc[g][0]);
         acc[g][1] = fmaf(pr[g], v.y, acc[g][1]);
       }
+    }
+    // fp8: the next tile's scales into the other stage (last read in the previous iteration, before this one's
+    // first barrier).
+    if constexpr (FP8) {
+      if (it + 1 < ntiles) put_scales((it + 1) & 1);
     }
     __syncthreads();  // the stage is refilled next iteration
   }
@@ -1492,12 +1501,9 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
     const char* e = std::getenv("QWEN_RT_TILE");
     return e && std::strcmp(e, "8x1") == 0;
   }();
-  if (cache.fp8()) {  // the tile kernel converts fp8 K/V as it stages them (the wgmma kernel does not)
-    if constexpr (D <= 128) {
-      if (!eight_warps) return launch_tile<T, D, 4, 2, true>(q, cache, b, sh, out, st);
-    }
-    return launch_tile<T, D, 8, 1, true>(q, cache, b, sh, out, st);
-  }
+  // An fp8 cache: the tile kernel of 8 warps x 1 m-tile converts K/V as it stages them (the wgmma kernel does not;
+  // the 4 x 2 form spilled, ptxas at head_dim 128, with the next tile's chunks in registers).
+  if (cache.fp8()) return launch_tile<T, D, 8, 1, true>(q, cache, b, sh, out, st);
   if constexpr (D <= 128) {
     // Three computing warpgroups (192 rows) and a producer warpgroup, 64 keys a tile, 4 stages (H100, session 17:
     // the fastest form of tools/attn_prefill_study.cu, 1.5-2.1x the tile kernel at head_dim 128, 1.5-1.8x at 64).

@@ -205,6 +205,18 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
   if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "copy");
 }
 
+void CudaBackend::copy_segments(const std::vector<CopySegment>& segs) {
+  set_device();
+  // One kernel for the list (a KV page move is a segment per layer and array: one cudaMemcpyAsync each cost more
+  // in calls than in bytes); either end may be the host tier, read or written in place over the bus.
+  if (segs.size() < 4) return Backend::copy_segments(segs);
+  no_capture("copy_segments");
+  const size_t bytes = segs.size() * sizeof(CopySegment);
+  void* table = scratch(segments_, bytes, "copy_segments");
+  upload(table, segs.data(), bytes);
+  launch_copy_segments(static_cast<const CopySegment*>(table), int(segs.size()), stream_);
+}
+
 void* CudaBackend::alloc_host_tier(size_t bytes) {
   set_device();
   void* p = nullptr;

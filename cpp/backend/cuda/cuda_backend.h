@@ -31,6 +31,7 @@ class CudaBackend final : public Backend {
   void download(void* host_dst, const void* src, size_t bytes) override;
   void fill_zero(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_segments(const std::vector<CopySegment>& segs) override;
   void synchronize() override;
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
@@ -102,6 +103,7 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
   };
   void* scratch(Scratch& s, size_t bytes, const char* what);
+  Scratch segments_;  // copy_segments' table
   AttnWorkspace attn_workspace(const AttnBatch& b, const AttnShape& sh);  // the split workspace, grown to fit
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);

@@ -237,6 +237,8 @@ bool launch_gemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
 bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, const Tensor* k_norm, float eps,
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
                        cudaStream_t s);
+// Backend::copy_segments with the list in device memory: a block per segment.
+void launch_copy_segments(const CopySegment* segs, int n, cudaStream_t s);
 // Backend::write_kv into an fp8 cache (k and v in the activations' dtype, any head_dim).
 void launch_write_kv_fp8(const Tensor& k, const Tensor& v, const AttnBatch& b, const KvLayer& cache, cudaStream_t s);
 void launch_add(Tensor& x, const Tensor& y, cudaStream_t s);

@@ -535,8 +535,9 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
                        cudaStream_t s) {
   const int D = sh.head_dim;
   if ((D != 64 && D != 128 && D != 256) || tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
-      tab.rot_dim / 64 == 3 || (cache.dtype != qkv.dtype && !cache.fp8()))
-    return false;  // the caller composes the single ops
+      tab.rot_dim / 64 == 3 || (cache.dtype != qkv.dtype && !cache.fp8()) ||
+      (cache.fp8() && !(cache.k_scale && cache.v_scale && cache.kv_heads == sh.kv_heads)))
+    return false;  // the caller composes the single ops (write_kv names a missing scale)
   if (qn && kn && qn->dtype != kn->dtype) return false;
   if (qkv.rows == 0) return true;
   const int64_t tasks = qkv.rows * int64_t(sh.q_heads + 2 * sh.kv_heads);
@@ -559,6 +560,29 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* qn, const
   });
   check_launch("finish_qkv");
   return true;
+}
+
+namespace {
+// Block i copies segment i: 16 bytes a thread where both ends and the size allow, else bytes.
+__global__ void copy_segments_kernel(const CopySegment* segs) {
+  const CopySegment sg = segs[blockIdx.x];
+  const bool wide = (reinterpret_cast<uintptr_t>(sg.dst) | reinterpret_cast<uintptr_t>(sg.src) | sg.bytes) % 16 == 0;
+  if (wide) {
+    uint4* d = static_cast<uint4*>(sg.dst);
+    const uint4* src = static_cast<const uint4*>(sg.src);
+    for (size_t i = threadIdx.x; i < sg.bytes / 16; i += blockDim.x) d[i] = src[i];
+  } else {
+    char* d = static_cast<char*>(sg.dst);
+    const char* src = static_cast<const char*>(sg.src);
+    for (size_t i = threadIdx.x; i < sg.bytes; i += blockDim.x) d[i] = src[i];
+  }
+}
+}  // namespace
+
+void launch_copy_segments(const CopySegment* segs, int n, cudaStream_t s) {
+  if (n == 0) return;
+  copy_segments_kernel<<<unsigned(n), 256, 0, s>>>(segs);
+  check_launch("copy_segments");
 }
 
 void launch_write_kv_fp8(const Tensor& k, const Tensor& v, const AttnBatch& b, const KvLayer& cache, cudaStream_t s) {

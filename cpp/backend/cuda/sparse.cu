@@ -12,6 +12,16 @@ constexpr int kSummaryThreads = 128;
 constexpr int kScoreWarps = 4, kScorePagesPerWarp = 8;
 constexpr int kSelectThreads = 1024;
 
+// x rounded toward -inf / +inf into T.
+template <typename T> __device__ __forceinline__ T round_down(float x);
+template <typename T> __device__ __forceinline__ T round_up(float x);
+template <> __device__ __forceinline__ float round_down<float>(float x) { return x; }
+template <> __device__ __forceinline__ float round_up<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 round_down<__nv_bfloat16>(float x) { return __float2bfloat16_rd(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 round_up<__nv_bfloat16>(float x) { return __float2bfloat16_ru(x); }
+template <> __device__ __forceinline__ __half round_down<__half>(float x) { return __float2half_rd(x); }
+template <> __device__ __forceinline__ __half round_up<__half>(float x) { return __float2half_ru(x); }
+
 // Block t: the step's row t, when it is the step's last in its page, recomputes that page's per-column min and max
 // over the page's rows up to it (the rows of a page belong to one sequence, in order). T: the cache's elements and
 // the summaries', or (fp8 cache, k_scale set) the summaries' with the keys e4m3 times their scales.
@@ -34,9 +44,9 @@ __global__ void __launch_bounds__(kSummaryThreads) summarize_kernel(const void* 
       lo = fminf(lo, x);
       hi = fmaxf(hi, x);
     }
-    // Exact where the keys are values of T (a T cache); an fp8 cache's are rounded to nearest.
-    sum[int64_t(2 * page) * cols + c] = from_f<T>(lo);
-    sum[int64_t(2 * page + 1) * cols + c] = from_f<T>(hi);
+    // Exact where the keys are values of T (a T cache); an fp8 cache's rounded outward (still bounds).
+    sum[int64_t(2 * page) * cols + c] = k_scale ? round_down<T>(lo) : from_f<T>(lo);
+    sum[int64_t(2 * page + 1) * cols + c] = k_scale ? round_up<T>(hi) : from_f<T>(hi);
   }
 }
 
