@@ -489,6 +489,15 @@ def run_cpu_phases(args) -> int:
     cfg = _phase_cfg(args)
     threads = args.threads or os.cpu_count() or 1
     batch_sizes, P, dtypes = _csv(args.batch_sizes, int), args.prefill_len, _csv(args.dtype)
+    peer = args.peer == "llama.cpp"
+    if args.peer not in (None, "llama.cpp"):
+        raise ValueError(f"--peer {args.peer!r}: only 'llama.cpp'")
+    if peer:
+        from qwen_rt import bench_llama_cpp as llama
+        why = llama.missing()
+        if why:
+            raise ValueError(why)
+        converter = llama.find_converter(args.peer_converter)
     n_params = _bench_model_params(cfg)
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     kv_row = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]  # K and V elements per token per layer
@@ -503,12 +512,20 @@ def run_cpu_phases(args) -> int:
     log(f"phases: Qwen3 {n_params / 1e6:.1f}M (hidden {H}, {L} layers, vocab {cfg['vocab_size']}), threads "
         f"{threads}, prefill {P}, decode batches {batch_sizes}, {args.repeats} round(s)")
     best: dict[tuple, float] = {}
-    gens = {}
+    gens, peers = {}, {}
     try:
+        # With a peer: real checkpoints (the same random weights for both engines), else qwen_rt's dummy weights.
+        files = llama.write_models(cfg, args.seed, workdir, converter, log) if peer else {}
         for dtype in dtypes:
-            gens[dtype] = Generator(str(folder), device="cpu", dtype=dtype, load_format="dummy", seed=args.seed,
-                                    max_batch_size=max(batch_sizes), max_model_len=P + 128, num_threads=threads,
-                                    enable_prefix_caching=False, progress=False)
+            src = (files["bfloat16"] if dtype == "bfloat16" else files["float32"]) if peer else folder
+            gens[dtype] = Generator(str(src), device="cpu", dtype=dtype, load_format="auto" if peer else "dummy",
+                                    seed=args.seed, max_batch_size=max(batch_sizes), max_model_len=P + 128,
+                                    num_threads=threads, enable_prefix_caching=False, progress=False)
+        if peer:
+            n_seq = max(batch_sizes)
+            n_ctx = n_seq * ((max(P, short + 64) + 16 + 255) // 256 * 256)
+            for t in ("F32", "BF16", "F16"):
+                peers[t] = llama.Peer(files[t], threads, n_ctx, n_seq, n_batch=512)
         prompt = rng.integers(3, cfg["vocab_size"], size=P).tolist()
         shorts = rng.integers(3, cfg["vocab_size"], size=(max(batch_sizes), short)).tolist()
 
@@ -520,41 +537,66 @@ def run_cpu_phases(args) -> int:
         for dtype, gen in gens.items():  # warm-up
             timed(gen, [prompt], 1)
             timed(gen, shorts[:max(batch_sizes)], 8)
+        for p in peers.values():
+            p.prefill(prompt)
+            p.decode(shorts, 8)
         for rnd in range(args.repeats):
+            now = {}
             for dtype, gen in gens.items():
-                now = {(dtype, "prefill"): timed(gen, [prompt], 1)}
+                now[(dtype, "prefill")] = timed(gen, [prompt], 1)
                 for bs in batch_sizes:
                     now[(dtype, bs)] = (timed(gen, shorts[:bs], 72) - timed(gen, shorts[:bs], 8)) / 64
-                for k, t in now.items():
-                    if t[0] > 0:  # a difference of two timings: noise can make a tiny model's negative
-                        best[k] = np.minimum(best.get(k, t), t)  # wall and CPU time, each the best of the rounds
+            for t, p in peers.items():  # llama.cpp: the same phases, alternating with qwen_rt's
+                now[(t, "prefill")] = np.array(p.prefill(prompt))
+                for bs in batch_sizes:
+                    now[(t, bs)] = np.array(p.decode(shorts[:bs], 64))
+            for k, t in now.items():
+                if t[0] > 0:  # a difference of two timings: noise can make a tiny model's negative
+                    best[k] = np.minimum(best.get(k, t), t)  # wall and CPU time, each the best of the rounds
             log(f"  round {rnd + 1}: " + ", ".join(f"{k[0]} {k[1]} {v[0] * 1e3:.2f} ms" for k, v in best.items()))
     finally:
         for gen in gens.values():
             gen.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        for p in peers.values():
+            p.close()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     copy_bw = measure_copy_bandwidth()
     head = cfg["vocab_size"] * H
     attn_flop = 4 * L * cfg["num_attention_heads"] * cfg["head_dim"] * P * (P + 1) / 2  # q.k and p.v, causal
     prefill_flop = 2 * (linear_params - head) * P + 2 * head + attn_flop  # the LM head on the last row only
     rows = []
-    for dtype in dtypes:
-        esz = 4 if dtype == "float32" else 2
+    for dtype in dtypes + list(peers):
+        esz = 4 if dtype in ("float32", "F32") else 2
         t, cpu = best[(dtype, "prefill")]
-        rows.append({"dtype": dtype, "phase": f"prefill {P}", "time_ms": t * 1e3, "cpu_ms": cpu * 1e3,
-                     "tok_s": P / t, "gflop_s": prefill_flop / t / 1e9})
+        rows.append({"engine": "llama.cpp" if dtype in peers else "qwen_rt", "dtype": dtype, "phase": f"prefill {P}",
+                     "time_ms": t * 1e3, "cpu_ms": cpu * 1e3, "tok_s": P / t, "gflop_s": prefill_flop / t / 1e9})
         for bs in batch_sizes:
             if (dtype, bs) not in best:
                 log(f"{dtype} decode b{bs}: no round timed 72 tokens above 8 (the machine's noise is larger)")
                 continue
             t, cpu = best[(dtype, bs)]
             step_bytes = linear_params * esz + bs * (short + 40) * L * kv_row * esz  # weights + mean KV read
-            rows.append({"dtype": dtype, "phase": f"decode b{bs}", "time_ms": t * 1e3, "cpu_ms": cpu * 1e3,
-                         "tok_s": bs / t, "gb_s": step_bytes / t / 1e9, "mbu": step_bytes / t / copy_bw})
+            rows.append({"engine": "llama.cpp" if dtype in peers else "qwen_rt", "dtype": dtype,
+                         "phase": f"decode b{bs}", "time_ms": t * 1e3, "cpu_ms": cpu * 1e3, "tok_s": bs / t,
+                         "gb_s": step_bytes / t / 1e9, "mbu": step_bytes / t / copy_bw})
     _print_table(rows, file=sys.stderr)
+    ratios = []
+    if peers:  # qwen_rt's speed over llama.cpp's (> 1: faster), phase by phase, wall and CPU time
+        for ours, theirs in (("float32", "F32"), ("bfloat16", "BF16"), ("bfloat16", "F16")):
+            if ours not in dtypes:
+                continue
+            for phase in ["prefill"] + batch_sizes:
+                if (ours, phase) in best and (theirs, phase) in best:
+                    a, b = best[(ours, phase)], best[(theirs, phase)]
+                    ratios.append({"qwen_rt": ours, "llama.cpp": theirs,
+                                   "phase": f"prefill {P}" if phase == "prefill" else f"decode b{phase}",
+                                   "speed_ratio": round(float(b[0] / a[0]), 3),
+                                   "cpu_time_ratio": round(float(b[1] / a[1]), 3)})
+        _print_table(ratios, file=sys.stderr)
     log(f"copy bandwidth (one thread, read + write): {copy_bw / 1e9:.1f} GB/s; cpu_ms: CPU time of the process "
         "(with --threads 1 the measure that other processes on the machine disturb least)")
-    _emit_record(_record("cpu-phases", args, {"threads": threads, "model": cfg, "rows": rows,
+    _emit_record(_record("cpu-phases", args, {"threads": threads, "model": cfg, "rows": rows, "vs_peer": ratios,
                                               "limits": {"copy_bw": copy_bw}}), args.json)
     return 0
 
@@ -595,6 +637,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-len", type=int, default=512, help="--phases: the prefill prompt's length")
     p.add_argument("--layers", type=int, default=None, help="--phases: layers of the model (default 12)")
     p.add_argument("--vocab", type=int, default=None, help="--phases: vocabulary size (default 32768)")
+    p.add_argument("--peer", default=None, choices=["llama.cpp"],
+                   help="--phases: time llama.cpp (llama-cpp-python) beside qwen_rt on the same weights, converted "
+                        "by llama.cpp's converter to GGUF F32/BF16/F16, and print the ratios")
+    p.add_argument("--peer-converter", default=None, metavar="PATH",
+                   help="llama.cpp's convert_hf_to_gguf.py (or a llama.cpp / llama-cpp-python source folder); "
+                        "default $LLAMA_CPP_CONVERTER")
     from qwen_rt import bench_gpu
     bench_gpu.add_parser(sub)
     return parser
