@@ -75,6 +75,43 @@ def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
     assert phases[("float32", "decode b2")]["mbu"] > 0 and phases[("bfloat16", "prefill 16")]["gflop_s"] > 0
 
 
+def test_cpu_bench_peer_needs_llama_cpp_and_its_converter(monkeypatch):
+    """--peer llama.cpp without llama-cpp-python, or without the converter, is a ValueError saying what to give."""
+    from qwen_rt import bench, bench_llama_cpp
+
+    monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "16", "--peer", "llama.cpp"]
+    with pytest.raises(ValueError, match="llama"):
+        bench.main(argv)
+    monkeypatch.setattr(bench_llama_cpp, "missing", lambda: None)
+    with pytest.raises(ValueError, match="--peer-converter"):
+        bench.main(argv)
+    with pytest.raises(ValueError, match="no convert_hf_to_gguf.py"):
+        bench.main(argv + ["--peer-converter", "/nonexistent"])
+
+
+def test_cpu_bench_against_llama_cpp(tmp_path):
+    """Where llama-cpp-python and llama.cpp's converter ($LLAMA_CPP_CONVERTER) are present: both engines timed on
+    the same weights, every phase, and the ratios recorded."""
+    import json
+    import os
+
+    from qwen_rt import bench, bench_llama_cpp
+
+    if bench_llama_cpp.missing() or not os.environ.get("LLAMA_CPP_CONVERTER"):
+        pytest.skip("an optional peer: llama-cpp-python and $LLAMA_CPP_CONVERTER are not both here")
+    rec_path = tmp_path / "rec.jsonl"
+    argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "32", "--batch-sizes", "1,4",
+            "--repeats", "2", "--dtype", "float32,bfloat16", "--peer", "llama.cpp", "--json", str(rec_path)]
+    assert bench.main(argv) == 0
+    rec = json.loads(rec_path.read_text().splitlines()[-1])
+    engines = {(r["engine"], r["dtype"]) for r in rec["rows"]}
+    assert {("llama.cpp", t) for t in ("F32", "BF16", "F16")} <= engines
+    pairs = {(r["qwen_rt"], r["llama.cpp"], r["phase"]) for r in rec["vs_peer"]}
+    assert ("bfloat16", "F16", "decode b4") in pairs and ("float32", "F32", "prefill 32") in pairs
+    assert all(r["speed_ratio"] > 0 for r in rec["vs_peer"])
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -37,11 +37,11 @@ mod["main"]()
 
 def missing() -> str | None:
     """Why the peer cannot run here, or None."""
-    for mod in ("llama_cpp", "torch", "transformers"):
+    for mod in ("llama_cpp", "torch", "transformers", "sentencepiece"):  # sentencepiece: the converter's
         try:
             __import__(mod)
         except ImportError as e:
-            return f"--peer llama.cpp needs {mod} ({e}); pip install llama-cpp-python torch transformers"
+            return f"--peer llama.cpp needs {mod} ({e}); pip install llama-cpp-python torch transformers sentencepiece"
     return None
 
 
