@@ -64,6 +64,8 @@ endif()
 message(STATUS "qwen_rt: CUDA backend on (archs ${CMAKE_CUDA_ARCHITECTURES}); cuBLASLt ${QRT_CUBLASLT_LIB}; NCCL ${QRT_NCCL_LIB}")
 
 file(GLOB QRT_CUDA_SOURCES CONFIGURE_DEPENDS cpp/backend/cuda/*.cu cpp/backend/cuda/*.cpp)
+# The CUTLASS FP8 GEMM is built apart (sm_90a only, CUTLASS's headers): below.
+list(REMOVE_ITEM QRT_CUDA_SOURCES "${CMAKE_CURRENT_SOURCE_DIR}/cpp/backend/cuda/fp8_gemm_sm90.cu")
 add_library(_cuda_backend MODULE ${QRT_CUDA_SOURCES} cpp/core/dtype.cpp)
 set_target_properties(_cuda_backend PROPERTIES PREFIX "" CUDA_SEPARABLE_COMPILATION OFF)
 target_include_directories(_cuda_backend PRIVATE cpp ${QRT_CUBLASLT_INCLUDE} ${QRT_NCCL_INCLUDE})
@@ -74,6 +76,28 @@ if(CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
   target_compile_definitions(_cuda_backend PRIVATE QRT_HAVE_SM90A=1)
 endif()
 target_link_libraries(_cuda_backend PRIVATE CUDA::cudart_static ${QRT_CUBLASLT_LIB} ${QRT_NCCL_LIB})
+
+# CUTLASS's headers (pip's nvidia-cutlass, or $CUTLASS_DIR/include): the W8A8 FP8 GEMM on sm_90a
+# (fp8_gemm_sm90.cu), compiled for sm_90a alone. Without them (or without an sm_90a image) the file builds as a
+# stub that declines, and FP8 linears take the other paths.
+execute_process(COMMAND "${Python_EXECUTABLE}" -c
+  "import os, cutlass_library as c; print(os.path.join(os.path.dirname(c.__file__), 'source', 'include'))"
+  OUTPUT_VARIABLE QRT_CUTLASS_HINT OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+find_path(QRT_CUTLASS_INCLUDE cutlass/gemm/collective/collective_builder.hpp
+          HINTS "$ENV{CUTLASS_DIR}/include" "${QRT_CUTLASS_HINT}")
+if(QRT_CUTLASS_INCLUDE AND CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
+  message(STATUS "qwen_rt: CUTLASS ${QRT_CUTLASS_INCLUDE}: the sm_90a W8A8 FP8 GEMM is built")
+  add_library(qrt_fp8_sm90 OBJECT cpp/backend/cuda/fp8_gemm_sm90.cu)
+  set_target_properties(qrt_fp8_sm90 PROPERTIES CUDA_ARCHITECTURES 90a-real POSITION_INDEPENDENT_CODE ON)
+  target_include_directories(qrt_fp8_sm90 PRIVATE cpp ${QRT_CUTLASS_INCLUDE} ${QRT_CUBLASLT_INCLUDE}
+                             ${QRT_NCCL_INCLUDE})
+  target_compile_definitions(qrt_fp8_sm90 PRIVATE QRT_HAVE_CUTLASS=1 QRT_HAVE_SM90A=1)
+  target_compile_options(qrt_fp8_sm90 PRIVATE -O3 -Xcompiler=-fvisibility=hidden --expt-relaxed-constexpr)
+  target_sources(_cuda_backend PRIVATE $<TARGET_OBJECTS:qrt_fp8_sm90>)
+else()
+  message(STATUS "qwen_rt: no CUTLASS headers (pip install nvidia-cutlass) or no sm_90a image: no CUTLASS FP8 GEMM")
+  target_sources(_cuda_backend PRIVATE cpp/backend/cuda/fp8_gemm_sm90.cu)
+endif()
 # At run time: pip's packages beside qwen_rt/ in the same site-packages (no absolute paths of this machine);
 # elsewhere qwen_rt/_native_libraries.py loads them first from where Python finds them.
 set_target_properties(_cuda_backend PROPERTIES

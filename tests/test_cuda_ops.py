@@ -1090,11 +1090,13 @@ def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
-@pytest.mark.parametrize("m,n,k", [(9, 256, 1024), (64, 1024, 4096), (200, 384, 512)])
-def test_fp8_w8a8_gemm(cpu, act, m, n, k, monkeypatch):
-    """QWEN_RT_FP8_GEMM=w8a8 on Hopper: the activations quantized per row and 128 columns, one block-scaled FP8 GEMM;
-    against numpy on the same quantized values (and further from the weight-only product it replaces)."""
-    monkeypatch.setenv("QWEN_RT_FP8_GEMM", "w8a8")
+@pytest.mark.parametrize("m,n,k", [(9, 256, 1024), (64, 1024, 4096), (200, 384, 512), (300, 640, 1280)])
+@pytest.mark.parametrize("form", ["w8a8", "cutlass"])
+def test_fp8_w8a8_gemm(cpu, act, m, n, k, form, monkeypatch):
+    """QWEN_RT_FP8_GEMM=w8a8 (cuBLASLt) or cutlass on Hopper: the activations quantized per row and 128 columns, one
+    block-scaled FP8 GEMM; against numpy on the same quantized values (and further from the weight-only product it
+    replaces)."""
+    monkeypatch.setenv("QWEN_RT_FP8_GEMM", form)
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "0")
     rng = np.random.default_rng(m + n + k)
     q, s = fp8_weights(cpu, rng, n, k, 7)

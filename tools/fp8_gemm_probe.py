@@ -1,6 +1,7 @@
-"""Which form of the W8A8 FP8 GEMM does cuBLASLt take, and which gives the right product? Every orientation
-(QWEN_RT_FP8_GEMM=w8a8 / w8a8t) and order of the block scales (QWEN_RT_FP8_SCALES) against numpy on the same quantized
-values; prints each form's relative error (~2.5e-2 means the dequantizing fallback ran; ~1e-3 is right).
+"""Which form of the W8A8 FP8 GEMM runs, and which gives the right product? CUTLASS's (QWEN_RT_FP8_GEMM=cutlass), and
+cuBLASLt's in every orientation (w8a8 / w8a8t) and order of the block scales (QWEN_RT_FP8_SCALES), against numpy on
+the same quantized values; prints each form's relative error (~2.5e-2 means the dequantizing fallback ran; ~1e-3 is
+right).
   python tools/fp8_gemm_probe.py        (needs a Hopper GPU)"""
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def main() -> int:
         w = q.astype(np.float64) * np.repeat(np.repeat(s, 128, 0)[:n], 128, 1)[:, :k]
         x = rand(rng, (m, k), -1, 1, "bfloat16")
         ref = quantize_rows_e4m3(x) @ w.T
-        for form in ("w8a8", "w8a8t"):
-            for order in ("mn,k", "k,k", "mn,mn", "k,mn"):
+        for form, orders in (("cutlass", ("-",)), ("w8a8", ("mn,k", "k,k", "mn,mn", "k,mn")),
+                             ("w8a8t", ("mn,k", "k,k", "mn,mn", "k,mn"))):
+            for order in orders:
                 os.environ["QWEN_RT_FP8_GEMM"], os.environ["QWEN_RT_FP8_SCALES"] = form, order
                 try:
                     out = np.asarray(gpu.fp8_linear("linear", x, q, s, 7))

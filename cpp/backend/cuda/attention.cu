@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kRowThreads) attn_rows_kernel(const RowsArgs a
 
   const KvHead<C> cache = kv_head<C, D>(a, s, kvh);
 
-  float2 next_sc;  // fp8: the scales of the tile issue() loaded last, thread t < TILE holding key t's
+  float2 next_sc = make_float2(0.f, 0.f);  // fp8: the scales issue() loaded last, thread t < TILE holding key t's
   auto issue = [&](int k0, int stage) {
     C* ks = kvs + stage * 2 * TILE * LD;
     C* vs = ks + TILE * LD;

@@ -381,7 +381,26 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
   // Larger batches of 16-bit activations on Hopper (QWEN_RT_FP8_GEMM=w8a8, until it is measured): W8A8, the
   // activations quantized per row and 128 columns (the dynamic scheme Qwen's FP8 checkpoints name), one block-scaled
   // FP8 cuBLASLt GEMM.
-  if (const int form = fp8_w8a8(x, lw)) {
+  const int form = fp8_w8a8(x, lw);
+  if (form == 3 && out.dtype == x.dtype && aligned16(out.data, out.stride * int64_t(dtype_size(out.dtype))) &&
+      aligned16(w.data, w.stride)) {
+    // QWEN_RT_FP8_GEMM=cutlass (until measured): CUTLASS's blockwise-scaled Hopper GEMM (fp8_gemm_sm90.cu), the
+    // activations' scales rows-fastest per 128-column group, the weights' block scales transposed (N blocks fastest).
+    const int64_t groups = K / kFp8Block, nb = N / kFp8Block;
+    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * M * 4 + 15) / 16 * 16;
+    const size_t w_bytes = size_t(nb * groups * 4 + 15) / 16 * 16, ws_bytes = size_t(4) << 20;
+    char* buf = static_cast<char*>(scratch(fp8_x_, x_bytes + s_bytes + w_bytes + ws_bytes, "fp8 activations"));
+    float* x_scale = reinterpret_cast<float*>(buf + x_bytes);
+    float* w_t = reinterpret_cast<float*>(buf + x_bytes + s_bytes);
+    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, 1, M, stream_);
+    launch_transpose_scales(lw.scale, w_t, stream_);
+    if (launch_fp8_block_gemm(M, N, K, buf, x_scale, w.data, w.stride, w_t, out.data, out.stride, out.dtype,
+                              accumulate, buf + x_bytes + s_bytes + w_bytes, ws_bytes, stream_)) {
+      if (bias) launch_add_bias(out, *bias, stream_);
+      return;
+    }
+  }
+  if (form == 1 || form == 2) {
     // Until measured (docs/PERFORMANCE.md), the orientation and the scales' order are switches:
     // QWEN_RT_FP8_GEMM=w8a8 (the weights are cuBLASLt's A) or w8a8t (the activations are, the product transposed
     // into out), QWEN_RT_FP8_SCALES=<x>,<w> with "k" (the 128-column groups fastest) or "mn" (rows fastest).
@@ -419,7 +438,11 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
 
 int CudaBackend::fp8_w8a8(const Tensor& x, const Linear& lw) const {
   const char* e = std::getenv("QWEN_RT_FP8_GEMM");  // read at every call, so the op tests can set it
-  const int form = !e ? 0 : std::strcmp(e, "w8a8") == 0 ? 1 : std::strcmp(e, "w8a8t") == 0 ? 2 : 0;
+  const int form = !e                              ? 0
+                   : std::strcmp(e, "w8a8") == 0    ? 1
+                   : std::strcmp(e, "w8a8t") == 0   ? 2
+                   : std::strcmp(e, "cutlass") == 0 ? 3
+                                                    : 0;
   const int64_t K = lw.w.cols, N = lw.w.rows;
   const bool ok = sm90_ && x.dtype != DType::F32 && lw.scale_row_shift == 7 && K % kFp8Block == 0 &&
                   N % kFp8Block == 0 && lw.scale.stride == K / kFp8Block && aligned16(lw.w.data, lw.w.stride);
