@@ -61,8 +61,7 @@ QwenModel::QwenModel(const ModelConfig& cfg, Backend& be, Comm& comm, const Weig
 
   const DType act = be_.act_dtype();
   const int T = lim_.max_tokens, S = lim_.max_seqs, H = cfg_.hidden_size, D = cfg_.head_dim, LR = logit_rows();
-  const int64_t meta = 4 * int64_t(std::max(T, S)) + (S + 1) + 3 * S + int64_t(S) * lim_.max_pages_per_seq + LR;
-  meta_ = alloc_tensor(DType::I32, 1, meta);
+  runner_ = std::make_unique<StepRunner>(be_, T, S, lim_.max_pages_per_seq, LR, vocab0_, lim_.graphs);
   residual_ = alloc_tensor(act, T, H);
   ws_full_.h = alloc_tensor(act, T, H);
   const bool delta = cfg_.num_delta_net_layers() > 0, attention = cfg_.num_attention_layers() > 0;
@@ -196,84 +195,6 @@ void QwenModel::build_rope_table() {
   rope_ = RopeTable{rope_table_.ptr<float>(), rot, P};
 }
 
-int QwenModel::graph_bucket(int n, int max_n) {
-  static const int buckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512};
-  for (int b : buckets)
-    if (b >= n) return std::min(b, max_n);
-  return -1;
-}
-
-// Page-table columns of a graph-replayed step of n columns: a power of two from 16, at most max_n. Short
-// contexts neither upload nor plan attention splits for every page of max_model_len, and a context growing
-// by one page does not need a new graph. (QWEN_RT_GRAPH_PAGES=all: always max_n, for comparison.)
-int QwenModel::graph_pages(int n, int max_n) {
-  static const bool all = [] {
-    const char* e = std::getenv("QWEN_RT_GRAPH_PAGES");
-    return e && std::strcmp(e, "all") == 0;
-  }();
-  int p = 16;
-  while (p < n && p < max_n) p *= 2;
-  return all ? max_n : std::min(p, max_n);
-}
-
-AttnBatch QwenModel::upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
-                                  int max_pages, int max_ctx) {
-  const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
-  const bool pad = rows > T;  // decode-only: T == S == R, padded to `rows` one-token sequences
-  const int SS = pad ? rows : S, RR = pad ? rows : R;
-  std::vector<int32_t> meta;
-  meta.reserve(size_t(4 * rows + 3 * SS + 1 + SS * max_pages + RR));
-  auto put = [&](const std::vector<int32_t>& v, int n, auto pad_value) {
-    const size_t off = meta.size();
-    meta.insert(meta.end(), v.begin(), v.end());
-    for (int i = int(v.size()); i < n; ++i) meta.push_back(pad_value(i));
-    return off;
-  };
-  const int scratch = kv.scratch_row();
-  const size_t o_tok = put(s.tokens, rows, [](int) { return 0; });
-  if (vocab0_ != 0)  // this rank's embedding shard starts at vocab0_: other ids look up zero rows
-    for (int i = 0; i < rows; ++i) meta[o_tok + i] -= vocab0_;
-  const size_t o_src = put(s.token_src, rows, [](int) { return -1; });
-  const size_t o_pos = put(s.positions, rows, [](int) { return 0; });
-  const size_t o_kvr = put(s.kv_rows, rows, [&](int) { return scratch; });
-  const size_t o_qs = put(s.q_start, SS + 1, [](int i) { return i; });
-  const size_t o_ctx = put(s.ctx_len, SS, [](int) { return 1; });
-  size_t o_pt = meta.size();
-  for (int i = 0; i < SS; ++i)
-    for (int j = 0; j < max_pages; ++j)
-      meta.push_back(i < S && j < s.max_pages ? s.page_table[size_t(i) * s.max_pages + j] : 0);
-  const size_t o_lr = put(s.logit_rows, RR, [](int i) { return i; });
-  // Padded rows (and models without DeltaNet layers) use the scratch slot.
-  const int scratch_slot = state ? state->scratch_slot() : 0;
-  const size_t o_sl = put(s.slots, SS, [&](int) { return scratch_slot; });
-  const size_t o_keep = s.keep.empty() ? 0 : put(s.keep, SS, [](int) { return -1; });
-  QRT_CHECK(int64_t(meta.size()) <= meta_.cols, "step metadata exceeds its buffer");
-  be_.upload(meta_.data, meta.data(), meta.size() * 4);
-  int32_t* m = meta_.ptr<int32_t>();
-  // Tokens sampled by the step before, still in device memory, take their places.
-  if (std::any_of(s.token_src.begin(), s.token_src.end(), [](int32_t i) { return i >= 0; })) {
-    QRT_CHECK(sampled && vocab0_ == 0, "step input refers to sampled tokens it was not given");
-    be_.fill_tokens(m + o_tok, m + o_src, sampled, rows);
-  }
-  d_tokens_ = m + o_tok;
-  d_positions_ = m + o_pos;
-  d_logit_rows_ = m + o_lr;
-  AttnBatch b;
-  b.num_seqs = SS;
-  b.num_tokens = rows;
-  b.q_start = m + o_qs;
-  b.ctx_len = m + o_ctx;
-  b.page_table = m + o_pt;
-  b.kv_rows = m + o_kvr;
-  b.max_pages = max_pages;
-  b.page_size = kv.page_size();
-  b.max_q_len = s.max_q_len;
-  b.max_ctx_len = max_ctx;
-  b.slots = m + o_sl;
-  if (!s.keep.empty()) b.keep = m + o_keep;
-  return b;
-}
-
 Tensor QwenModel::forward(const StepInput& s, KvCache& kv, StateCache* state, const int32_t* sampled) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && S <= lim_.max_seqs && R <= logit_rows() &&
@@ -281,29 +202,7 @@ Tensor QwenModel::forward(const StepInput& s, KvCache& kv, StateCache* state, co
             "step exceeds the model's limits");
   QRT_CHECK(cfg_.num_delta_net_layers() == 0 || (state && int(s.slots.size()) == S),
             "a step of a model with DeltaNet layers needs its state cache and each sequence's slot");
-  const bool decode = s.max_q_len == 1 && T == S && R == S;
-  const int bucket = graph_bucket(S, std::min(lim_.max_seqs, lim_.max_tokens));
-  if (lim_.graphs && be_.supports_graphs() && decode && bucket >= S) {
-    // Fixed shapes for the graph: padded rows, and page-table columns whose pages bound every context.
-    const int pages = graph_pages(s.max_pages, lim_.max_pages_per_seq);
-    AttnBatch b = upload_meta(s, sampled, kv, state, bucket, pages, pages * kv.page_size());
-    const std::pair<int, int> key{bucket, pages};
-    auto it = graphs_.find(key);
-    if (it == graphs_.end()) {
-      be_.begin_capture();
-      try {
-        body(b, bucket, bucket, kv, state);
-      } catch (...) {
-        be_.abort_capture();  // leave the stream usable; the step fails with the body's error
-        throw;
-      }
-      it = graphs_.emplace(key, be_.end_capture()).first;
-    }
-    be_.replay(it->second);
-    return logits_view(R);
-  }
-  AttnBatch b = upload_meta(s, sampled, kv, state, T, s.max_pages, s.max_ctx_len);
-  body(b, T, R, kv, state);
+  runner_->run(s, sampled, kv, state, [&](const StepMeta& meta, int rows) { body(meta, rows, kv, state); });
   return logits_view(R);
 }
 
@@ -312,14 +211,15 @@ Tensor QwenModel::logits_view(int rows) const {
   return Tensor(logits_.data, DType::F32, rows, cfg_.vocab_size, logits_.cols);
 }
 
-void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* state) {
-  const int n = comm_.size();
+void QwenModel::body(const StepMeta& meta, int R, KvCache& kv, StateCache* state) {
+  const AttnBatch& b = meta.batch;
+  const int n = comm_.size(), T = meta.rows;
   const float eps = cfg_.rms_eps;
   const bool zc = cfg_.zero_centred_norms;
   Tensor res = residual_.row_slice(0, T);
   const Workspace& w = ws_full_;
   auto rows = [T](const Tensor& t) { return t.empty() ? t : t.row_slice(0, T); };
-  LayerStep step{be_, comm_, b, d_positions_, rope_, T, res,
+  LayerStep step{be_, comm_, b, meta.positions, rope_, T, res,
                  Workspace{rows(w.h), rows(w.qkv), rows(w.attn), rows(w.proj), rows(w.conv), rows(w.core),
                            rows(w.gate_up), rows(w.act)}};
   SparseStep sparse;
@@ -331,7 +231,7 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
     sparse.keys = sparse_keys_.ptr<int32_t>();
     step.sparse = &sparse;
   }
-  be_.embedding(d_tokens_, embed_, res);
+  be_.embedding(meta.tokens, embed_, res);
   if (n > 1) comm_.all_reduce_sum(res);
   for (const DecoderLayer& L : layers_) {
     if (L.delta_net) L.delta.forward(step, L.input_norm.norm(eps, zc), cfg_, shard_, state->layer(L.cache_index));
@@ -344,7 +244,7 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
     be_.rms_norm(res, final_norm_.w, eps, zc, hid);
     if (R == 0) return;
     sh = sh.row_slice(0, R);
-    be_.gather_rows(hid, d_logit_rows_, sh);
+    be_.gather_rows(hid, meta.logit_rows, sh);
     lm_head(sh, R);
     return;
   }
@@ -352,7 +252,7 @@ void QwenModel::body(const AttnBatch& b, int T, int R, KvCache& kv, StateCache* 
   if (R == 0) return;
   Tensor sr = sel_res_.row_slice(0, R);
   sh = sh.row_slice(0, R);
-  be_.gather_rows(res, d_logit_rows_, sr);
+  be_.gather_rows(res, meta.logit_rows, sr);
   const RmsNorm final_norm = final_norm_.norm(eps, zc);
   if (n == 1) {
     Tensor logits = logits_.row_slice(0, R);
@@ -394,14 +294,15 @@ Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_r
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && R <= logit_rows() && s.num_seqs() <= lim_.max_seqs &&
                 s.max_pages <= lim_.max_pages_per_seq && int(hidden_rows.size()) == T,
             "draft step exceeds the model's limits");
-  const AttnBatch b = upload_meta(s, nullptr, kv, nullptr, T, s.max_pages, s.max_ctx_len);
+  const StepMeta meta = runner_->upload(s, nullptr, kv, nullptr);
+  const AttnBatch& b = meta.batch;
   be_.upload(hidden_rows_.data, hidden_rows.data(), size_t(T) * 4);
   const int64_t H = cfg_.hidden_size;
   const float eps = cfg_.rms_eps;
   const bool zc = cfg_.zero_centred_norms;
   Tensor res = residual_.row_slice(0, T), in = mtp_in_.row_slice(0, T);
   Tensor e = in.col_slice(0, H), g = in.col_slice(H, H);
-  be_.embedding(d_tokens_, embed_, res);
+  be_.embedding(meta.tokens, embed_, res);
   if (n > 1) comm_.all_reduce_sum(res);
   be_.rms_norm(res, mtp_->embedding_norm.w, eps, zc, e);
   Tensor picked = ws_full_.h.row_slice(0, T);
@@ -410,7 +311,7 @@ Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_r
   be_.linear(in, mtp_->fc, nullptr, res);
   const Workspace& w = ws_full_;
   auto rows = [T](const Tensor& t) { return t.empty() ? t : t.row_slice(0, T); };
-  LayerStep step{be_, comm_, b, d_positions_, rope_, T, res,
+  LayerStep step{be_, comm_, b, meta.positions, rope_, T, res,
                  Workspace{rows(w.h), rows(w.qkv), rows(w.attn), rows(w.proj), rows(w.conv), rows(w.core),
                            rows(w.gate_up), rows(w.act)}};
   const DecoderLayer& L = mtp_->layer;
@@ -420,7 +321,7 @@ Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_r
   be_.rms_norm(res, mtp_->norm.w, eps, zc, out);
   if (R > 0) {
     Tensor sh = sel_h_.row_slice(0, R);
-    be_.gather_rows(out, d_logit_rows_, sh);
+    be_.gather_rows(out, meta.logit_rows, sh);
     lm_head(sh, R);
   }
   return logits_view(R);

@@ -3,7 +3,6 @@
 #pragma once
 #include <algorithm>
 #include <functional>
-#include <map>
 #include <utility>
 #include <memory>
 #include <vector>
@@ -14,6 +13,7 @@
 #include "kv/state_cache.h"
 #include "model/config.h"
 #include "model/layers.h"
+#include "model/runner.h"
 #include "model/step.h"
 #include "model/weights.h"
 
@@ -60,18 +60,13 @@ class QwenModel {
   Tensor alloc_tensor(DType t, int64_t rows, int64_t cols);
   void load_weights(const Progress& progress);
   void build_rope_table();
-  // Uploads the step's metadata (padded to rows when rows > the step's tokens), fills in the tokens that
-  // come from `sampled`, and describes the batch.
-  AttnBatch upload_meta(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
-                        int max_pages, int max_ctx);
-  void body(const AttnBatch& b, int rows, int logit_rows, KvCache& kv, StateCache* state);
+  // The forward pass over a step's uploaded metadata (meta.rows rows, the first logit_rows of meta.logit_rows).
+  void body(const StepMeta& meta, int logit_rows, KvCache& kv, StateCache* state);
   void load_mtp(WeightLoader& ld, const std::function<NormGain(const std::string&, const std::vector<Linear*>&)>& norm);
   // logits rows [0, R) = lm_head(rows) for rows [R, hidden] already final-normed, vocab-parallel across ranks.
   void lm_head(const Tensor& rows, int R);
   void gather_logits(int R);  // every rank's [R, vocab_pad_] shard in logits_gathered_, side by side in logits_
-  static int graph_bucket(int n, int max_n);
   int logit_rows() const { return std::max(lim_.max_seqs, lim_.max_logit_rows); }
-  static int graph_pages(int n, int max_n);
 
   ModelConfig cfg_;
   Backend& be_;
@@ -88,12 +83,8 @@ class QwenModel {
   std::vector<DecoderLayer> layers_;
   Tensor rope_table_;
   RopeTable rope_;
-  std::map<std::pair<int, int>, int> graphs_;  // (decode batch bucket, page-table columns) -> captured graph
-  const int32_t* d_tokens_ = nullptr;
-  const int32_t* d_positions_ = nullptr;
-  const int32_t* d_logit_rows_ = nullptr;
+  std::unique_ptr<StepRunner> runner_;  // metadata upload and decode graphs
   // Workspace.
-  Tensor meta_;  // int32 metadata uploaded each step
   Tensor residual_, sel_res_, sel_h_, logits_;
   Tensor sparse_scores_, sparse_pages_, sparse_keys_;  // select_pages' scratch and output (sparse decode)
   // MTP: the head, the last forward's final-norm rows [T, H], the draft's input [T, 2H] and hidden rows [T, H].

@@ -1,0 +1,57 @@
+// StepRunner: what a model's step needs besides its layers. It uploads the step's metadata (tokens, positions, KV
+// rows, the ragged batch, logit rows, state slots: one int32 buffer) and runs the forward pass, replaying it from a
+// CUDA graph for decode steps (captured the first time each shape occurs: batch bucket x page-table columns).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <utility>
+
+#include "backend/ops.h"
+#include "core/buffer.h"
+#include "kv/kv_cache.h"
+#include "kv/state_cache.h"
+#include "model/step.h"
+
+namespace qrt {
+
+// A step as the forward pass sees it: device pointers into the uploaded metadata.
+struct StepMeta {
+  AttnBatch batch;
+  const int32_t* tokens = nullptr;      // [rows] embedding ids (minus the rank's vocab shard start)
+  const int32_t* positions = nullptr;   // [rows]
+  const int32_t* logit_rows = nullptr;  // [logit rows]
+  int rows = 0;                         // the step's tokens, or (graphs) its padded bucket
+};
+
+class StepRunner {
+ public:
+  // vocab0: the first embedding row of this rank's shard; graphs: replay decode steps when the backend can.
+  StepRunner(Backend& be, int max_tokens, int max_seqs, int max_pages_per_seq, int max_logit_rows, int vocab0,
+             bool graphs);
+  // Runs forward(meta, logit_rows) for step s: from a graph for a decode step that fits a bucket, else directly.
+  // sampled: the backend's sampled_tokens() of the step before, where s.token_src points.
+  void run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
+           const std::function<void(const StepMeta&, int logit_rows)>& forward);
+  // The metadata alone, of the step's own shape (draft passes).
+  StepMeta upload(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state) {
+    return upload(s, sampled, kv, state, s.num_tokens(), s.max_pages, s.max_ctx_len);
+  }
+
+ private:
+  // Uploads s padded to `rows` rows (rows > s's tokens: a decode step padded with one-token sequences on the scratch
+  // row and slot) and max_pages page-table columns.
+  StepMeta upload(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
+                  int max_pages, int max_ctx);
+  static int graph_bucket(int n, int max_n);
+  static int graph_pages(int n, int max_n);
+
+  Backend& be_;
+  int max_tokens_, max_seqs_, max_pages_per_seq_, vocab0_;
+  bool graphs_on_;
+  Buffer meta_;
+  int64_t meta_ints_;
+  std::map<std::pair<int, int>, int> graphs_;  // (decode batch bucket, page-table columns) -> captured graph
+};
+
+}  // namespace qrt
