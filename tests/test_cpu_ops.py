@@ -197,9 +197,10 @@ def test_linear(h, w_dtype, bias):
 @pytest.mark.parametrize("w_dtype", W_DTYPES)
 def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
     """Every row of x @ w^T equals the same row computed alone, bit for bit, whatever tile the batch's row
-    count picks (few rows, 5-15 rows and 16+ rows tile differently: from 16 rows the weights are packed into
-    panels, 16-bit ones widened to fp32, and x goes by tiles of 8 or 4 rows with a shorter last tile): every tile
-    sums its lanes in the same order and adds a row's tail (K % 16) by fma."""
+    count picks (few rows, 5-15 rows, 16-23 rows and 24+ rows tile differently: from 16 rows 16-bit weights are
+    widened to fp32 by blocks, and from 24 rows x and the weights are packed for outer products, x by tiles of 12
+    or 6 rows with a shorter last tile): every path runs each output's 16 lane chains in K order, sums them in
+    one order and adds a row's tail (K % 16) by fma."""
     rng = np.random.default_rng(21)
     for k, m in [(768, 50), (100, 37), (2048, 19)]:
         x = rnd(rng, 40, k)

@@ -1,15 +1,12 @@
-// Cache-blocked GEMM for y = x @ w^T with weights kept in their stored dtype.
-// bf16 weights on CPUs with AVX512-BF16 take bf16 x bf16 products with fp32 accumulation (x rounded to
-// bf16 at the GEMM input, as bf16 inference does); float32 weights keep exact fp32 arithmetic.
+// Cache-blocked GEMM for y = x @ w^T with weights kept in their stored dtype, in fp32 arithmetic: float32 weights
+// exactly, 16-bit ones widened exactly (bf16 weights multiply x rounded to bf16, the contract of ops.h).
 // Tiles of MR x NR dot products share loads; each dot product keeps 16 fp32 lanes accumulated in K order,
 // then a fixed pairwise lane sum (AVX-512: sum_lanes16, 16 accumulators at a time), so results do not depend
-// on the tiling (batch invariance); in the fp32/fp16-weight tiles, tails past K / 16 * 16 add in K order by fma
-// (the bf16 dot-product tile reads its tail as one masked step instead). Without AVX-512 but with AVX2 + FMA,
-// the 16 lanes are two 8-lane halves accumulated in two passes (16 registers), summed by lane_sum's order,
+// on the tiling (batch invariance); tails past K / 16 * 16 add in K order by fma. Without AVX-512 but with AVX2 +
+// FMA, the 16 lanes are two 8-lane halves accumulated in two passes (16 registers), summed by lane_sum's order,
 // which is not sum_lanes16's: results agree within rounding across the two builds, not bit for bit.
-// From kPackedMinRows x rows (prefill) each thread packs a block of weight rows into panels laid out as its
-// tiles read them (16-bit weights widened to fp32 there, except on the AVX512-BF16 path) and runs tiles of 8
-// (AVX-512) or 4 (AVX2) x rows by 3 weight rows over them, with the same arithmetic as the few-row tiles.
+// From kPackedMinRows x rows (prefill) the same chains of products run as outer products over packed x tiles and
+// weight panels (gemm_packed), bit-identical to the few-row tiles.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -60,14 +57,14 @@ void with_rows(int mr, F&& f) {
   }
 }
 
-// out[m0 + i, n0 + j] = res[i][j] (+ bias[n0 + j]).
+// out[m0 + i, n0 + j] = res[i * ldr + j] (+ bias[n0 + j]).
 // accumulate: out += the tile (the residual connection of linear_add).
-inline void store_tile(const TileResult& res, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
+inline void store_tile(const float* res, int ldr, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
                        Tensor& out, bool accumulate) {
   float* op = out.ptr<float>();
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
-      float v = res[i][j];
+      float v = res[i * ldr + j];
       if (bias) v += load_f32(*bias, 0, n0 + j);
       float& o = op[(m0 + i) * out.stride + n0 + j];
       o = accumulate ? o + v : v;
@@ -393,8 +390,8 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
   const int64_t ldw = w.stride * esz;
   // A block of NB weight rows stays in cache while every row of x passes over it.
   // Tiles: up to 4 x 4 for few rows (decode), 8 x 3 (fp32) or 8 x 2 for 5..15 rows (each weight load serves
-  // 8 rows), and for prefill (16+ rows; builds without AVX2 only, gemm_packed takes them otherwise) a 16-bit
-  // block is widened to fp32 once (exactly) and then 4 x 4 tiles. AVX2 tiles (tile_n): 1 x 4, 2 x 4, 3 x 3, 4 x 3.
+  // 8 rows), and from 16 rows (up to kPackedMinRows; all of them in builds without AVX2) a 16-bit block is
+  // widened to fp32 once (exactly) and then 4 x 4 tiles. AVX2 tiles (tile_n): 1 x 4, 2 x 4, 3 x 3, 4 x 3.
   const int64_t NB = 16;
   const int64_t nblocks = (N + NB - 1) / NB;
   const bool widen = WT != DType::F32 && M >= 16;
@@ -421,7 +418,7 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
                                  K * 4, K, res, false);
           else
             run_tile<WT>(mr, nr, xr, x.stride, wp + n0 * ldw, ldw, K, res, x_pairs);
-          store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
+          store_tile(&res[0][0], 8, mr, nr, m0, n0, bias, out, accumulate);
         }
       }
     }
@@ -429,133 +426,248 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// ---- Many rows (prefill): packed weight panels and register-blocked tiles ----------------------------------
-// The same arithmetic as tile() / tile_avx2() (each output's 16 lanes accumulate k = lane mod 16 in K order by
-// fma, the build's lane sum, then the tail past K / 16 * 16 in K order), so every output is bit-identical to the
-// few-row paths: only the data layout and the register blocking differ. A panel holds kPanelRows weight rows
-// as fp32 (16-bit weights widened exactly), ordered as the tile reads them: for each pass (a 16-lane vector
-// on AVX-512; two 8-lane halves on AVX2), each 16-element block k, the rows' vectors side by side, then the
-// rows' tails. Tiles: AVX-512 8 x rows by 3 panel rows = 24 accumulators + 3 weight vectors + 1 x vector of
-// the 32 registers (11 loads per 24 fmas); AVX2 4 x 3 = 12 accumulators + 3 + 1 of 16, per half.
+// ---- Many rows (prefill): the same chains as outer products ------------------------------------------------
+// The few-row tiles compute output (i, j) as 16 chains: chain l takes x[i][k] w[j][k] for k = l mod 16 in K order
+// by fma; the build's lane sum adds the chains, then the tail past K / 16 * 16 adds by fma in K order. Here chain l
+// of a tile of kTileRows x rows by a panel of kPanelCols weight rows is an outer product: per step, one broadcast
+// x element per row against kTileVecs weight vectors, each vector element one output's chain, so the register
+// tile needs no lane sum (per step: kTileVecs loads and kTileRows broadcasts for kTileRows x kTileVecs fma's). The chains go to scratch and the lane sum's tree adds them
+// elementwise: every output gets the few-row tiles' operations in their order, bit-identical; only the data
+// layout and the register blocking differ. This runs at 1.45x the dot-product tiles' rate on a Sapphire Rapids
+// core (issue 35's prefill GEMMs, tools/gemm_cpu_bench.cpp).
+// Packed layouts: x tiles [chain][step][kTileRows], panels [chain][step][kPanelCols] (16-bit weights widened
+// exactly), then the panel's tail [K - K / 16 * 16][kPanelCols]; rows past the matrix are zeros, their outputs
+// dropped.
 #if defined(__AVX512F__)
 using VecF = __m512;
-constexpr int kVecLanes = 16, kPasses = 1, kPackedTileRows = 8;
-inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+constexpr int kVecLanes = 16, kTileRows = 12, kTileVecs = 2;  // 24 accumulators + 2 weights + 1 broadcast of 32
+inline VecF vload(const float* p) { return _mm512_load_ps(p); }
+inline void vstore(float* p, VecF v) { _mm512_store_ps(p, v); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 #else
 using VecF = __m256;
-constexpr int kVecLanes = 8, kPasses = 2, kPackedTileRows = 4;
-inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+constexpr int kVecLanes = 8, kTileRows = 6, kTileVecs = 2;  // 12 accumulators + 2 weights + 1 broadcast of 16
+inline VecF vload(const float* p) { return _mm256_load_ps(p); }
+inline void vstore(float* p, VecF v) { _mm256_store_ps(p, v); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 #endif
-constexpr int kPanelRows = 3;
-constexpr int64_t kPanelsPerBlock = 16;  // a thread's unit of work: 48 weight rows, packed once per call
+constexpr int kChains = 16;
+constexpr int kPanelCols = kVecLanes * kTileVecs;
 
-// Floats of one panel for K: the vector part, then the rows' tails.
-inline int64_t panel_floats(int64_t K) { return int64_t(kPanelRows) * K; }
+// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..n.
+template <int n, typename F>
+void with_tile_rows(int mr, F&& f) {
+  if constexpr (n > 1) {
+    if (mr == n) f(std::integral_constant<int, n>{});
+    else with_tile_rows<n - 1>(mr, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
 
-// Packs weight rows [n0, n0 + rows) (rows <= kPanelRows; missing rows are zeros, their outputs dropped).
+// chains[l][i][j] (l < kChains, i < mr, j < kPanelCols): chain l of x tile row i by panel row j.
+template <int mr>
+void tile_chains(const float* xs, const float* ws, int64_t steps, float* chains) {
+  for (int l = 0; l < kChains; ++l) {
+    VecF acc[mr][kTileVecs];
+#pragma GCC unroll 16
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVecs; ++v) acc[i][v] = vzero();
+    const auto* a = xs + l * steps * kTileRows;
+    const auto* b = ws + l * steps * kPanelCols;
+    for (int64_t s = 0; s < steps; ++s, a += kTileRows, b += kPanelCols) {
+      VecF wv[kTileVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVecs; ++v) wv[v] = vload(b + v * kVecLanes);
+#pragma GCC unroll 16
+      for (int i = 0; i < mr; ++i) {
+        VecF xv = vbroadcast(a + i);
+        asm("" : "+x"(xv));  // one broadcast per row, not one folded into each fma
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVecs; ++v) acc[i][v] = vfma(xv, wv[v], acc[i][v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < mr; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVecs; ++v) vstore(chains + (l * kTileRows + i) * kPanelCols + v * kVecLanes, acc[i][v]);
+  }
+}
+
+// res[i][.] = the lane sum of chains[.][i][.] in the few-row tiles' order (AVX-512: sum_lanes16's; AVX2:
+// lane_sum's), plus the tail: x[i][kv + t] * tail[t][.] by fma in K order from zero.
+template <int mr>
+void finish_chains(const float* chains, const float* x, int64_t ldx, const float* tail, int64_t kv, int64_t K,
+                   float* res) {
+  for (int i = 0; i < mr; ++i)
+    for (int v = 0; v < kTileVecs; ++v) {
+      auto at = [&](int l) { return vload(chains + (l * kTileRows + i) * kPanelCols + v * kVecLanes); };
+#if defined(__AVX512F__)
+      VecF s[4];
+      for (int c = 0; c < 4; ++c) s[c] = vadd(vadd(at(4 * c), at(4 * c + 2)), vadd(at(4 * c + 1), at(4 * c + 3)));
+      VecF sum = vadd(vadd(s[0], s[1]), vadd(s[2], s[3]));
+#else
+      VecF a[kChains];
+      for (int l = 0; l < kChains; ++l) a[l] = at(l);
+      for (int w = kChains / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) a[l] = vadd(a[l], a[l + w]);
+      VecF sum = a[0];
+#endif
+      VecF t = vzero();
+      for (int64_t k = kv; k < K; ++k)
+        t = vfma(vbroadcast(x + i * ldx + k), vload(tail + (k - kv) * kPanelCols + v * kVecLanes), t);
+      vstore(res + i * kPanelCols + v * kVecLanes, vadd(sum, t));
+    }
+}
+
+// Packs n <= 16 rows into chains: dst[(l * steps + s) * ld + j] = element 16 s + l of row j, where row(j, s) gives
+// elements [16 s, 16 s + 16) of row j (j < n) as fp32: a transpose of 16 x 16 blocks in registers.
+#if defined(__AVX512F__)
+// r transposed in place: stage b swaps bit b of the row index with bit b of the element index.
+template <int b>
+inline void transpose_stage(v16f (&r)[16]) {
+  static const v16i lo = [] {
+    v16i m{};
+    for (int e = 0; e < 16; ++e) m[e] = e & b ? 16 + e - b : e;
+    return m;
+  }();
+  static const v16i hi = [] {
+    v16i m{};
+    for (int e = 0; e < 16; ++e) m[e] = e & b ? 16 + e : e + b;
+    return m;
+  }();
+  for (int i = 0; i < 16; ++i)
+    if (!(i & b)) {
+      const v16f x = r[i], y = r[i + b];
+      r[i] = __builtin_shuffle(x, y, lo);
+      r[i + b] = __builtin_shuffle(x, y, hi);
+    }
+}
+
+template <int n, typename Row>
+void pack_rows(Row row, int64_t steps, float* dst, int64_t ld) {
+  for (int64_t s = 0; s < steps; ++s) {
+    v16f r[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < n ? row(j, s) : v16f{};
+    transpose_stage<1>(r);
+    transpose_stage<2>(r);
+    transpose_stage<4>(r);
+    transpose_stage<8>(r);
+    for (int l = 0; l < kChains; ++l) std::memcpy(dst + (l * steps + s) * ld, &r[l], n * 4);
+  }
+}
+#else
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    r[e + 4] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
+}
+
+template <int n, typename Row>
+void pack_rows(Row row, int64_t steps, float* dst, int64_t ld) {
+  for (int64_t s = 0; s < steps; ++s)
+    for (int g = 0; g * 8 < n; ++g) {  // rows 8 g .. 8 g + 7: their elements 0-7 and 8-15 as two 8 x 8 blocks
+      __m256 lo[8], hi[8];
+      for (int j = 0; j < 8; ++j) {
+        const v16f v = 8 * g + j < n ? row(8 * g + j, s) : v16f{};
+        std::memcpy(&lo[j], &v, 32);
+        std::memcpy(&hi[j], reinterpret_cast<const char*>(&v) + 32, 32);
+      }
+      transpose8(lo);
+      transpose8(hi);
+      const int cnt = std::min(8, n - 8 * g);
+      for (int l = 0; l < 8; ++l) {
+        std::memcpy(dst + (l * steps + s) * ld + 8 * g, &lo[l], cnt * 4);
+        std::memcpy(dst + ((l + 8) * steps + s) * ld + 8 * g, &hi[l], cnt * 4);
+      }
+    }
+}
+#endif
+
+// x rows [m0, m0 + kTileRows) as a packed tile of fp32 chains (rows past M zeros).
+void pack_x_tile(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t steps, float* xs) {
+  pack_rows<kTileRows>([&](int j, int64_t s) {
+    v16f v{};
+    if (m0 + j < M) std::memcpy(&v, x + (m0 + j) * ldx + s * kChains, 64);
+    return v;
+  }, steps, xs, kTileRows);
+}
+
+// Weight rows [n0, n0 + rows) (16-bit ones widened exactly) as a packed fp32 panel, then its tail.
 template <DType WT>
 void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* panel) {
-  const int64_t kv = K / kLanes * kLanes, nkb = kv / kLanes, tail = K - kv;
-  float row[kLanes];
-  for (int j = 0; j < kPanelRows; ++j) {
-    const char* wr = w + j * ldw_bytes;
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      if (j < rows) {
-        const v16f v = load_w<WT>(wr, kb * kLanes);
-        std::memcpy(row, &v, sizeof row);
-      } else {
-        std::fill(row, row + kLanes, 0.f);
-      }
-      for (int h = 0; h < kPasses; ++h)
-        std::memcpy(panel + ((h * nkb + kb) * kPanelRows + j) * kVecLanes, row + h * kVecLanes, kVecLanes * 4);
-    }
-    float* pt = panel + kPanelRows * kv + j * tail;
-    for (int64_t k = kv; k < K; ++k) pt[k - kv] = j < rows ? load_w1<WT>(wr, k) : 0.f;
-  }
+  const int64_t steps = K / kChains, kv = steps * kChains;
+  for (int j0 = 0; j0 < kPanelCols; j0 += 16)
+    pack_rows<std::min(16, kPanelCols)>([&](int j, int64_t s) {
+      return j0 + j < rows ? load_w<WT>(w + (j0 + j) * ldw_bytes, s * kChains) : v16f{};
+    }, steps, panel + j0, kPanelCols);
+  float* tail = panel + kv * kPanelCols;
+  for (int j = 0; j < kPanelCols; ++j)
+    for (int64_t k = kv; k < K; ++k)
+      tail[(k - kv) * kPanelCols + j] = j < rows ? load_w1<WT>(w + j * ldw_bytes, k) : 0.f;
 }
 
-// res[i][j] = x row i . panel row j for i < mr, j < kPanelRows.
-template <int mr>
-void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t K, TileResult& res) {
-  const int64_t kv = K / kLanes * kLanes, nkb = kv / kLanes, tail = K - kv;
-  alignas(64) float part[kPasses][mr][kPanelRows][kVecLanes];
-  for (int h = 0; h < kPasses; ++h) {
-    VecF acc[mr][kPanelRows];
-#pragma GCC unroll 8
-    for (int i = 0; i < mr; ++i)
-#pragma GCC unroll 8
-      for (int j = 0; j < kPanelRows; ++j) acc[i][j] = vzero();
-    const float* wp = panel + h * nkb * kPanelRows * kVecLanes;
-    const float* xp = x + h * kVecLanes;
-    for (int64_t kb = 0; kb < nkb; ++kb, wp += kPanelRows * kVecLanes, xp += kLanes) {
-      VecF wv[kPanelRows];
-#pragma GCC unroll 8
-      for (int j = 0; j < kPanelRows; ++j) wv[j] = vload(wp + j * kVecLanes);
-#pragma GCC unroll 8
-      for (int i = 0; i < mr; ++i) {
-        VecF xv = vload(xp + i * ldx);
-        // One load per x vector: without this, -mtune=haswell folds it into each fma as a memory operand
-        // (3 loads instead of 1; 30% slower on a Sapphire Rapids VM, tools/gemm_cpu_bench.cpp).
-        asm("" : "+x"(xv));
-#pragma GCC unroll 8
-        for (int j = 0; j < kPanelRows; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < mr; ++i)
-#pragma GCC unroll 8
-      for (int j = 0; j < kPanelRows; ++j) std::memcpy(part[h][i][j], &acc[i][j], sizeof(VecF));
-  }
-  float sums[mr][kPanelRows];
-#if defined(__AVX512F__)
-  lane_sums<mr * kPanelRows>(reinterpret_cast<const __m512*>(&part[0][0][0][0]), &sums[0][0]);
-#else
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < kPanelRows; ++j) sums[i][j] = lane_sum(vload(part[0][i][j]), vload(part[1][i][j]));
-#endif
-  const float* pt = panel + kPanelRows * kv;
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < kPanelRows; ++j) {
-      float t = 0.f;
-      for (int64_t k = kv; k < K; ++k) t = std::fma(x[i * ldx + k], pt[j * tail + k - kv], t);
-      res[i][j] = sums[i][j] + t;
-    }
-}
-
-// x (fp32) @ w^T for many rows: threads take blocks of kPanelsPerBlock panels; each packs its block, then every
-// tile of x rows passes over it (the x tile stays in L1 while the block's panels stream from L2).
+// x (fp32) @ w^T for many rows: x packed once (tiles in parallel), then threads take blocks of panels, pack
+// them, and run every x tile over the block (a tile's chains stay in L1 while the block's panels stream from L2).
 template <DType WT>
 void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
                  bool accumulate) {
-  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  const int64_t M = x.rows, N = w.rows, K = x.cols, steps = K / kChains, kv = steps * kChains;
   const int64_t ldw = w.stride * int64_t(dtype_size(WT));
-  const int64_t block_rows = kPanelsPerBlock * kPanelRows, nblocks = (N + block_rows - 1) / block_rows;
-  const int64_t pf = panel_floats(K);
-  const char* wp = static_cast<const char*>(w.data);
   const float* xp = x.ptr<float>();
-  pool.for_dynamic(nblocks, M * N * K > (1 << 16), [&](int64_t nb, int) {
-    thread_local std::vector<float> block_mem;
-    float* block = aligned_floats(block_mem, size_t(kPanelsPerBlock * pf));
-    const int64_t n_begin = nb * block_rows, n_end = std::min(N, n_begin + block_rows);
-    const int64_t panels = (n_end - n_begin + kPanelRows - 1) / kPanelRows;
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n0 = n_begin + p * kPanelRows;
-      pack_panel<WT>(wp + n0 * ldw, ldw, int(std::min<int64_t>(kPanelRows, n_end - n0)), K, block + p * pf);
+  const char* wp = static_cast<const char*>(w.data);
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_floats = kv * kTileRows, panel_floats = K * kPanelCols;
+  thread_local std::vector<float> xs_mem;  // the caller's, kept: no page faults on every call
+  float* xs = aligned_floats(xs_mem, size_t(tiles * tile_floats));
+  const bool par = M * N * K > (1 << 16);
+  pool.for_static(tiles, par, [&](int64_t t) { pack_x_tile(xp, x.stride, M, t * kTileRows, steps, xs + t * tile_floats); });
+  // Panels per block: the block within ~1 MB of L2, and at least 4 blocks per thread where N allows.
+  const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
+  const int64_t by_cache = std::max<int64_t>(1, (int64_t(1) << 20) / (panel_floats * 4));
+  const int64_t by_threads = std::max<int64_t>(1, panels / (4 * int64_t(pool.size())));
+  const int64_t per_block = std::min(by_cache, by_threads), blocks = (panels + per_block - 1) / per_block;
+  pool.for_dynamic(blocks, par, [&](int64_t b, int) {
+    thread_local std::vector<float> block_mem, scratch_mem;
+    const int64_t p_begin = b * per_block, p_end = std::min(panels, p_begin + per_block);
+    float* block = aligned_floats(block_mem, size_t((p_end - p_begin) * panel_floats));
+    float* chains = aligned_floats(scratch_mem, size_t((kChains + 1) * kTileRows * kPanelCols));
+    float* res = chains + kChains * kTileRows * kPanelCols;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t n0 = p * kPanelCols;
+      pack_panel<WT>(wp + n0 * ldw, ldw, int(std::min<int64_t>(kPanelCols, N - n0)), K,
+                     block + (p - p_begin) * panel_floats);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kPackedTileRows) {
-      const int mr = int(std::min<int64_t>(kPackedTileRows, M - m0));
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t n0 = n_begin + p * kPanelRows;
-        TileResult res;
-        with_rows(mr, [&](auto rows) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = t * kTileRows;
+      const int mr = int(std::min<int64_t>(kTileRows, M - m0));
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t n0 = p * kPanelCols;
+        const float* panel = block + (p - p_begin) * panel_floats;
+        with_tile_rows<kTileRows>(mr, [&](auto rows) {
           constexpr int r = decltype(rows)::value;
-          if constexpr (r <= kPackedTileRows) panel_tile<r>(xp + m0 * x.stride, x.stride, block + p * pf, K, res);
+          tile_chains<r>(xs + t * tile_floats, panel, steps, chains);
+          finish_chains<r>(chains, xp + m0 * x.stride, x.stride, panel + kv * kPanelCols, kv, K, res);
         });
-        store_tile(res, mr, int(std::min<int64_t>(kPanelRows, n_end - n0)), m0, n0, bias, out, accumulate);
+        store_tile(res, kPanelCols, mr, int(std::min<int64_t>(kPanelCols, N - n0)), m0, n0, bias, out, accumulate);
       }
     }
   });
@@ -567,162 +679,7 @@ template <DType WT>
 void gemm_packed(const Tensor&, const Tensor&, const Tensor*, Tensor&, ThreadPool&, bool) {}
 #endif
 // Row count from which the packed path runs (below it, tiles read the weights in place: decode).
-constexpr int64_t kPackedMinRows = 16;
-
-#if defined(__AVX512BF16__)
-// bf16 weights with AVX512-BF16 dot products: x is rounded to bf16 once per call, each instruction
-// multiplies 32 pairs and accumulates in fp32. Same lane order for every tile shape (batch invariance).
-
-template <int mr, int nr>
-void tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
-  __m512 acc[mr][nr];
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t kv = K / 32 * 32;
-  auto step = [&](int64_t k, auto load) {
-    __m512i wv[nr];
-    for (int j = 0; j < nr; ++j) wv[j] = load(w + j * ldw + k);
-    for (int i = 0; i < mr; ++i) {
-      const __m512i xv = load(x + i * ldx + k);
-      for (int j = 0; j < nr; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv[j]));
-    }
-  };
-  for (int64_t k = 0; k < kv; k += 32) {
-    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchTiles * nr) * ldw + k), _MM_HINT_T0);
-    step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
-  }
-  if (kv < K) {
-    const __mmask32 m = __mmask32((1u << (K - kv)) - 1);
-    step(kv, [m](const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); });
-  }
-  float sums[mr][nr];
-  lane_sums<mr * nr>(&acc[0][0], &sums[0][0]);
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) res[i][j] = sums[i][j];
-}
-
-template <int mr>
-void tile_dp_n(int nr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, TileResult& res) {
-  // Tiles: 1-2 rows x 8 weight rows (batch 1: independent chains), 3-6 rows x 4, 7-8 rows x 2.
-  if constexpr (mr > 6) {
-    if (nr >= 2) tile_dp<mr, 2>(x, ldx, w, ldw, K, res);
-    else tile_dp<mr, 1>(x, ldx, w, ldw, K, res);
-  } else if constexpr (mr > 2) {  // up to 6 x 4: 24 accumulators (prefill tiles)
-    switch (nr) {
-      case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
-      case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
-      case 2: tile_dp<mr, 2>(x, ldx, w, ldw, K, res); break;
-      default: tile_dp<mr, 1>(x, ldx, w, ldw, K, res); break;
-    }
-  } else {
-    switch (nr) {
-      case 8: tile_dp<mr, 8>(x, ldx, w, ldw, K, res); break;
-      case 7: tile_dp<mr, 7>(x, ldx, w, ldw, K, res); break;
-      case 6: tile_dp<mr, 6>(x, ldx, w, ldw, K, res); break;
-      case 5: tile_dp<mr, 5>(x, ldx, w, ldw, K, res); break;
-      case 4: tile_dp<mr, 4>(x, ldx, w, ldw, K, res); break;
-      case 3: tile_dp<mr, 3>(x, ldx, w, ldw, K, res); break;
-      case 2: tile_dp<mr, 2>(x, ldx, w, ldw, K, res); break;
-      default: tile_dp<mr, 1>(x, ldx, w, ldw, K, res); break;
-    }
-  }
-}
-
-// Many rows with AVX512-BF16: panels of kPanelRows bf16 weight rows, each 32-element block of the rows side by
-// side (zeros past K and past the last row), against x rows padded with zeros to a whole block: the zero pairs
-// are tile_dp's masked last step, so every output is bit-identical to the few-row tiles. Tiles of 8 x rows by
-// 3 panel rows: 24 accumulators + 3 weight vectors + 1 x vector of the 32 registers.
-void pack_panel_bf16(const uint16_t* w, int64_t ldw, int rows, int64_t K, uint16_t* panel) {
-  const int64_t nkb = (K + 31) / 32;
-  for (int64_t kb = 0; kb < nkb; ++kb)
-    for (int j = 0; j < kPanelRows; ++j) {
-      uint16_t* dst = panel + (kb * kPanelRows + j) * 32;
-      const int64_t n = j < rows ? std::min<int64_t>(32, K - kb * 32) : 0;
-      if (n > 0) std::memcpy(dst, w + j * ldw + kb * 32, size_t(n) * 2);
-      std::fill(dst + std::max<int64_t>(n, 0), dst + 32, uint16_t(0));
-    }
-}
-
-template <int mr>
-void panel_tile_dp(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t nkb, TileResult& res) {
-  __m512 acc[mr][kPanelRows];
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < kPanelRows; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < nkb; ++kb, panel += kPanelRows * 32, x += 32) {
-    __m512i wv[kPanelRows];
-    for (int j = 0; j < kPanelRows; ++j) wv[j] = _mm512_load_si512(panel + j * 32);
-    for (int i = 0; i < mr; ++i) {
-      const __m512i xv = _mm512_loadu_si512(x + i * ldx);
-      for (int j = 0; j < kPanelRows; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv[j]));
-    }
-  }
-  float sums[mr][kPanelRows];
-  lane_sums<mr * kPanelRows>(&acc[0][0], &sums[0][0]);
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < kPanelRows; ++j) res[i][j] = sums[i][j];
-}
-
-void gemm_bf16_dp(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
-                  bool accumulate) {
-  const int64_t M = x.rows, N = w.rows, K = x.cols;
-  const bool packed = M >= kPackedMinRows;
-  const int64_t nkb = (K + 31) / 32, ldx = packed ? nkb * 32 : K;  // packed: rows padded with zeros to 32
-  std::vector<float> xb_mem;
-  uint16_t* xb = reinterpret_cast<uint16_t*>(aligned_floats(xb_mem, size_t(M * ldx + 1) / 2));
-  pool.for_static(M, M * K > (1 << 14), [&](int64_t r) {
-    for (int64_t k = 0; k < K; ++k) xb[r * ldx + k] = f32_to_bf16(x.ptr<float>()[r * x.stride + k]);
-    for (int64_t k = K; k < ldx; ++k) xb[r * ldx + k] = 0;
-  });
-  const uint16_t* wp = w.ptr<uint16_t>();
-  const bool par = M * N * K > (1 << 16);
-  if (packed) {  // threads take blocks of kPanelsPerBlock panels, as gemm_packed
-    const int64_t block_rows = kPanelsPerBlock * kPanelRows, nblocks = (N + block_rows - 1) / block_rows;
-    const int64_t panel_elems = nkb * kPanelRows * 32;
-    pool.for_dynamic(nblocks, par, [&](int64_t nb, int) {
-      thread_local std::vector<float> block_mem;
-      uint16_t* block = reinterpret_cast<uint16_t*>(aligned_floats(block_mem, size_t(kPanelsPerBlock * panel_elems / 2)));
-      const int64_t n_begin = nb * block_rows, n_end = std::min(N, n_begin + block_rows);
-      const int64_t panels = (n_end - n_begin + kPanelRows - 1) / kPanelRows;
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t n0 = n_begin + p * kPanelRows;
-        pack_panel_bf16(wp + n0 * w.stride, w.stride, int(std::min<int64_t>(kPanelRows, n_end - n0)), K,
-                        block + p * panel_elems);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kPackedTileRows) {
-        const int mr = int(std::min<int64_t>(kPackedTileRows, M - m0));
-        for (int64_t p = 0; p < panels; ++p) {
-          const int64_t n0 = n_begin + p * kPanelRows;
-          TileResult res;
-          with_rows(mr, [&](auto rows) {
-            panel_tile_dp<decltype(rows)::value>(xb + m0 * ldx, ldx, block + p * panel_elems, nkb, res);
-          });
-          store_tile(res, mr, int(std::min<int64_t>(kPanelRows, n_end - n0)), m0, n0, bias, out, accumulate);
-        }
-      }
-    });
-    return;
-  }
-  const int64_t NB = 16, nblocks = (N + NB - 1) / NB;
-  // Row tile by batch: 5..15 rows 8 x 2, 3-4 rows 4 x 4, 1-2 rows 2 x 8.
-  const int64_t tm = M > 4 ? 8 : (M > 2 ? 4 : 2), tn = tm == 8 ? 2 : (tm > 2 ? 4 : 8);
-  pool.for_static(nblocks, par, [&](int64_t nb) {
-    const int64_t n_begin = nb * NB, nend = std::min(N, n_begin + NB);
-    for (int64_t m0 = 0; m0 < M; m0 += tm) {
-      const int mr = int(std::min<int64_t>(tm, M - m0));
-      for (int64_t n0 = n_begin; n0 < nend; n0 += tn) {
-        const int nr = int(std::min<int64_t>(tn, nend - n0));
-        TileResult res;
-        const uint16_t* xr = xb + m0 * ldx;
-        const uint16_t* wr = wp + n0 * w.stride;
-        with_rows(mr, [&](auto rows) { tile_dp_n<decltype(rows)::value>(nr, xr, ldx, wr, w.stride, K, res); });
-        store_tile(res, mr, nr, m0, n0, bias, out, accumulate);
-      }
-    }
-  });
-}
-#endif
+constexpr int64_t kPackedMinRows = 24;
 
 }  // namespace
 
@@ -737,14 +694,10 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, Thr
       if (packed) gemm_packed<DType::F32>(x, w, bias, out, pool, accumulate);
       else gemm_t<DType::F32>(x, w, bias, out, pool, accumulate);
       break;
-    case DType::BF16:
-#if defined(__AVX512BF16__)
-      gemm_bf16_dp(x, w, bias, out, pool, accumulate);
-#else
-      {  // same products as the dot-product path: x rounded to bf16
+    case DType::BF16: {  // same products as the dot-product path: x rounded to bf16
         std::vector<float> xr_mem;
         float* xr = aligned_floats(xr_mem, size_t(x.rows * x.cols));
-        const bool pairs = kAvx2Tiles && !packed;
+        const bool pairs = kAvx2Tiles && x.rows < 16;  // gemm_t widens 16-bit blocks from 16 rows on
         for (int64_t r = 0; r < x.rows; ++r) {
           for (int64_t k = 0; k < x.cols; ++k)
             xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
@@ -753,9 +706,8 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, Thr
         Tensor xt(xr, DType::F32, x.rows, x.cols);
         if (packed) gemm_packed<DType::BF16>(xt, w, bias, out, pool, accumulate);
         else gemm_t<DType::BF16>(xt, w, bias, out, pool, accumulate, pairs);
-      }
-#endif
       break;
+    }
     case DType::F16:
       if (packed) gemm_packed<DType::F16>(x, w, bias, out, pool, accumulate);
       else gemm_t<DType::F16>(x, w, bias, out, pool, accumulate);
