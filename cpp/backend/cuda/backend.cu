@@ -386,15 +386,16 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
       aligned16(w.data, w.stride)) {
     // QWEN_RT_FP8_GEMM=cutlass (until measured): CUTLASS's blockwise-scaled Hopper GEMM (fp8_gemm_sm90.cu), the
     // activations' scales rows-fastest per 128-column group, the weights' block scales transposed (N blocks fastest).
-    const int64_t groups = K / kFp8Block, nb = N / kFp8Block;
-    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * M * 4 + 15) / 16 * 16;
+    // The activations' scales of a group are M4 = M rounded up to 4 apart (TMA loads them: 16-byte aligned).
+    const int64_t groups = K / kFp8Block, nb = N / kFp8Block, m4 = (M + 3) / 4 * 4;
+    const size_t x_bytes = size_t(M * K + 15) / 16 * 16, s_bytes = size_t(groups * m4 * 4);
     const size_t w_bytes = size_t(nb * groups * 4 + 15) / 16 * 16, ws_bytes = size_t(4) << 20;
     char* buf = static_cast<char*>(scratch(fp8_x_, x_bytes + s_bytes + w_bytes + ws_bytes, "fp8 activations"));
     float* x_scale = reinterpret_cast<float*>(buf + x_bytes);
     float* w_t = reinterpret_cast<float*>(buf + x_bytes + s_bytes);
-    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, 1, M, stream_);
+    launch_quantize_rows_fp8(x, reinterpret_cast<uint8_t*>(buf), x_scale, 1, m4, stream_);
     launch_transpose_scales(lw.scale, w_t, stream_);
-    if (launch_fp8_block_gemm(M, N, K, buf, x_scale, w.data, w.stride, w_t, out.data, out.stride, out.dtype,
+    if (launch_fp8_block_gemm(M, N, K, buf, x_scale, m4, w.data, w.stride, w_t, out.data, out.stride, out.dtype,
                               accumulate, buf + x_bytes + s_bytes + w_bytes, ws_bytes, stream_)) {
       if (bias) launch_add_bias(out, *bias, stream_);
       return;

@@ -238,11 +238,12 @@ bool launch_finish_qkv(Tensor& qkv, const AttnShape& sh, const Tensor* q_norm, c
                        bool zc, const int32_t* positions, const RopeTable& tab, const AttnBatch& b, KvLayer& cache,
                        cudaStream_t s);
 // W8A8 on sm_90a through CUTLASS (fp8_gemm_sm90.cu): out [M, N] (+)= (x8 x_scale) @ (w8 w_scale)^T; x8 e4m3 [M, K]
-// (row stride K), x_scale [K / 128][M]; w8 e4m3 [N, K] (row stride ldw), w_scale_t [K / 128][N / 128]; K and N
-// multiples of 128; out bf16 or fp16. False (nothing run) where this build has no CUTLASS or the shape is refused.
-bool launch_fp8_block_gemm(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8,
-                           int64_t ldw, const float* w_scale_t, void* out, int64_t ldo, DType out_t, bool accumulate,
-                           void* workspace, size_t ws_bytes, cudaStream_t st);
+// (row stride K), x_scale [K / 128][scale_rows] (scale_rows >= M, a multiple of 4); w8 e4m3 [N, K] (row stride ldw),
+// w_scale_t [K / 128][N / 128]; K and N multiples of 128; out bf16 or fp16. False (nothing run) where this build has
+// no CUTLASS or the shape is refused.
+bool launch_fp8_block_gemm(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, int64_t scale_rows,
+                           const void* w8, int64_t ldw, const float* w_scale_t, void* out, int64_t ldo, DType out_t,
+                           bool accumulate, void* workspace, size_t ws_bytes, cudaStream_t st);
 // Backend::copy_segments with the list in device memory: a block per segment.
 void launch_copy_segments(const CopySegment* segs, int n, cudaStream_t s);
 // Backend::write_kv into an fp8 cache (k and v in the activations' dtype, any head_dim).

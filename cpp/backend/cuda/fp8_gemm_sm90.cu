@@ -52,7 +52,8 @@ struct BlockFp8Gemm {
 };
 
 template <typename Out>
-bool run(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8, int64_t ldw,
+bool run(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, int64_t scale_rows, const void* w8,
+         int64_t ldw,
          const float* w_scale, void* out, int64_t ldo, bool accumulate, void* workspace, size_t ws_bytes,
          cudaStream_t st) {
   using G = BlockFp8Gemm<Out>;
@@ -68,11 +69,12 @@ bool run(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, 
   StrideD sd{};  // (M, N, L): out's row stride
   get<0>(sd) = ldo;
   const auto problem = make_shape(m, n, k, 1);
+  const auto scale_a_shape = make_shape(int(scale_rows), n, k, 1);  // the scales' row count: a 16-byte TMA stride
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
       {static_cast<const typename G::ElementA*>(x8), sa, static_cast<const typename G::ElementB*>(w8), sb, x_scale,
-       G::ScaleConfig::tile_atom_to_shape_SFA(problem), w_scale, G::ScaleConfig::tile_atom_to_shape_SFB(problem)},
+       G::ScaleConfig::tile_atom_to_shape_SFA(scale_a_shape), w_scale, G::ScaleConfig::tile_atom_to_shape_SFB(problem)},
       {{1.0f, accumulate ? 1.0f : 0.0f}, static_cast<const Out*>(out), sd, static_cast<Out*>(out), sd}};
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
@@ -83,15 +85,16 @@ bool run(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, 
 
 }  // namespace
 
-bool launch_fp8_block_gemm(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8,
-                           int64_t ldw, const float* w_scale_t, void* out, int64_t ldo, DType out_t, bool accumulate,
-                           void* workspace, size_t ws_bytes, cudaStream_t st) {
+bool launch_fp8_block_gemm(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, int64_t scale_rows,
+                           const void* w8, int64_t ldw, const float* w_scale_t, void* out, int64_t ldo, DType out_t,
+                           bool accumulate, void* workspace, size_t ws_bytes, cudaStream_t st) {
+  if (scale_rows < M || scale_rows % 4 != 0) return false;
   if (out_t == DType::BF16)
-    return run<cutlass::bfloat16_t>(M, N, K, x8, x_scale, w8, ldw, w_scale_t, out, ldo, accumulate, workspace,
-                                    ws_bytes, st);
+    return run<cutlass::bfloat16_t>(M, N, K, x8, x_scale, scale_rows, w8, ldw, w_scale_t, out, ldo, accumulate,
+                                    workspace, ws_bytes, st);
   if (out_t == DType::F16)
-    return run<cutlass::half_t>(M, N, K, x8, x_scale, w8, ldw, w_scale_t, out, ldo, accumulate, workspace, ws_bytes,
-                                st);
+    return run<cutlass::half_t>(M, N, K, x8, x_scale, scale_rows, w8, ldw, w_scale_t, out, ldo, accumulate, workspace,
+                                ws_bytes, st);
   return false;
 }
 
@@ -100,8 +103,8 @@ bool launch_fp8_block_gemm(int64_t M, int64_t N, int64_t K, const void* x8, cons
 #else  // no CUTLASS (or no sm_90a image) in this build: the caller takes another path
 
 namespace qrt::cuda {
-bool launch_fp8_block_gemm(int64_t, int64_t, int64_t, const void*, const float*, const void*, int64_t, const float*,
-                           void*, int64_t, DType, bool, void*, size_t, cudaStream_t) {
+bool launch_fp8_block_gemm(int64_t, int64_t, int64_t, const void*, const float*, int64_t, const void*, int64_t,
+                           const float*, void*, int64_t, DType, bool, void*, size_t, cudaStream_t) {
   return false;
 }
 }  // namespace qrt::cuda
