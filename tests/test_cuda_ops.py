@@ -1062,6 +1062,7 @@ FP8_SHAPES = [(1, 16, 128, 7), (1, 4096, 1024, 7), (2, 100, 512, 5), (8, 1024, 4
 @pytest.mark.parametrize("gemv_rows", ["0", "8"])  # every row through the dequantizing GEMM; the GEMV up to 8 rows
 def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
+    monkeypatch.setenv("QWEN_RT_FP8_GEMM", "dequant")  # the weight-only product (W8A8: test_fp8_w8a8_gemm)
     rng = np.random.default_rng(m * 131 + n * 7 + k + shift)
     q, s = fp8_weights(cpu, rng, n, k, shift)
     x = rand(rng, (m, k), -1, 1, act)
@@ -1091,12 +1092,11 @@ def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m,n,k", [(9, 256, 1024), (64, 1024, 4096), (200, 384, 512), (300, 640, 1280)])
-@pytest.mark.parametrize("form", ["w8a8", "cutlass"])
-def test_fp8_w8a8_gemm(cpu, act, m, n, k, form, monkeypatch):
-    """QWEN_RT_FP8_GEMM=w8a8 (cuBLASLt) or cutlass on Hopper: the activations quantized per row and 128 columns, one
-    block-scaled FP8 GEMM; against numpy on the same quantized values (and further from the weight-only product it
-    replaces)."""
-    monkeypatch.setenv("QWEN_RT_FP8_GEMM", form)
+def test_fp8_w8a8_gemm(cpu, act, m, n, k, monkeypatch):
+    """FP8 linears of 16-bit activations on Hopper (from 9 rows; here every row count, the GEMV off): the activations
+    quantized per row and 128 columns, one block-scaled FP8 GEMM (CUTLASS's); against numpy on the same quantized
+    values (and further from the weight-only product it replaces, which QWEN_RT_FP8_GEMM=dequant gives)."""
+    monkeypatch.delenv("QWEN_RT_FP8_GEMM", raising=False)
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "0")
     rng = np.random.default_rng(m + n + k)
     q, s = fp8_weights(cpu, rng, n, k, 7)
@@ -1107,6 +1107,9 @@ def test_fp8_w8a8_gemm(cpu, act, m, n, k, form, monkeypatch):
     w8a16 = x.astype(np.float64) @ w.T
     assert rel(out, w8a8) < 8e-3, rel(out, w8a8)
     assert rel(out, w8a16) > 2 * rel(out, w8a8)  # the W8A8 path ran
+    monkeypatch.setenv("QWEN_RT_FP8_GEMM", "dequant")
+    dq = np.asarray(harness(DEVICE, act).fp8_linear("linear", x, q, s, 7))
+    assert rel(dq, w8a16) < 8e-3 and rel(dq, w8a8) > 2 * rel(dq, w8a16)
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -1114,8 +1117,9 @@ def test_fp8_w8a8_gemm(cpu, act, m, n, k, form, monkeypatch):
 @pytest.mark.parametrize("gemv_rows", ["0", "8"])
 def test_fp8_linear_silu_mul_and_norm(cpu, act, m, inter, k, shift, gemv_rows, monkeypatch):
     """gate|up with silu_mul (the GEMV fuses it: equal to linear then silu_mul bit for bit), and norm_linear with
-    a gain (FP8 linears never get folded gains: rms_norm, then the FP8 linear), against the CPU."""
+    a gain (FP8 linears never get folded gains: rms_norm, then the FP8 linear), against the CPU (weight-only)."""
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
+    monkeypatch.setenv("QWEN_RT_FP8_GEMM", "dequant")
     rng = np.random.default_rng(m * 17 + inter + k)
     q, s = fp8_weights(cpu, rng, 2 * inter, k, shift)
     x = rand(rng, (m, k), -1, 1, act)

@@ -113,8 +113,9 @@ class CudaBackend final : public Backend {
   template <typename Fill>
   void gemm_row_blocks(const Tensor& x, int64_t N, const Tensor* bias, Tensor& out, bool accumulate, const char* what,
                        Fill&& fill);
-  // Whether matmul_fp8 takes the W8A8 GEMM for x: 0 no, 1 with the weights as cuBLASLt's A, 2 the activations.
-  int fp8_w8a8(const Tensor& x, const Linear& w) const;
+  // Whether matmul_fp8 tries the W8A8 GEMM for x (Hopper, 16-bit x, 128 x 128 scale blocks; not
+  // QWEN_RT_FP8_GEMM=dequant).
+  bool fp8_w8a8(const Tensor& x, const Linear& w) const;
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
   // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {

@@ -265,18 +265,6 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   if (lane == 0) scale[m * s_row + g * s_group] = sc;
 }
 
-// out[m, n] (+)= d[n * M + m]: a column-major [M, N] product into row-major out.
-template <typename T>
-__global__ void transpose_out_kernel(const T* __restrict__ d, int64_t M, int64_t N, T* __restrict__ out, int64_t ldo,
-                                     bool accumulate) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= M * N) return;
-  const int64_t m = i % M, n = i / M;
-  const float v = to_f(d[i]);
-  T& o = out[m * ldo + n];
-  o = from_f<T>(accumulate ? to_f(o) + v : v);
-}
-
 // dst[c * R + r] = src[r * lds + c]: a scale grid transposed.
 __global__ void transpose_f32_kernel(const float* __restrict__ src, int64_t R, int64_t C, int64_t lds,
                                      float* __restrict__ dst) {
@@ -287,15 +275,6 @@ __global__ void transpose_f32_kernel(const float* __restrict__ src, int64_t R, i
 }
 
 }  // namespace
-
-void launch_transpose_out(const void* d, int64_t M, int64_t N, Tensor& out, bool accumulate, cudaStream_t s) {
-  dispatch_act(out.dtype, "fp8 transpose", [&](auto tag) {
-    using T = decltype(tag);
-    transpose_out_kernel<T><<<ceil_div(M * N, 256), 256, 0, s>>>(static_cast<const T*>(d), M, N, out.ptr<T>(),
-                                                                 out.stride, accumulate);
-  });
-  check_launch("fp8 transpose");
-}
 
 void launch_transpose_scales(const Tensor& src, float* dst, cudaStream_t s) {
   transpose_f32_kernel<<<ceil_div(src.rows * src.cols, 256), 256, 0, s>>>(src.ptr<float>(), src.rows, src.cols,

@@ -21,8 +21,6 @@ void launch_quantize_fp8(const Tensor& src, Tensor& q, Tensor& scale, cudaStream
 // 128 columns (amax / 448), scale[m * s_row + g * s_group] for column group g.
 void launch_quantize_rows_fp8(const Tensor& x, uint8_t* q, float* scale, int64_t s_row, int64_t s_group,
                               cudaStream_t s);
-// out[m, n] (+)= d[n * M + m] (d: out's dtype, column-major [M, N]).
-void launch_transpose_out(const void* d, int64_t M, int64_t N, Tensor& out, bool accumulate, cudaStream_t s);
 // dst = src^T, fp32, dense [src.cols, src.rows].
 void launch_transpose_scales(const Tensor& src, float* dst, cudaStream_t s);
 

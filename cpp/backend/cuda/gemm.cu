@@ -92,30 +92,6 @@ void LtGemm::build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64
   find_algo(p, al_w, al_x, al_o);
 }
 
-void LtGemm::build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t,
-                            bool x_first) {
-  lt_check(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set transa");
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set transb");
-  // The weights in 128 x 128 blocks, the activations in 1 x 128 blocks; x_first: the activations are A.
-  const int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  const int32_t a_mode = x_first ? vec : blk, b_mode = x_first ? blk : vec;
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)),
-           "set A scale mode");
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)),
-           "set B scale mode");
-  if (x_first) {  // out^T: column-major [M, N] = (x [K, M])^T * w [K, N]
-    lt_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K), "layout x");
-    lt_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), ldw), "layout w");
-    lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(M), uint64_t(N), ldo), "layout out");
-  } else {  // out: column-major [N, M] = (w [K, N])^T * x [K, M]
-    lt_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), ldw), "layout w");
-    lt_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K), "layout x");
-    lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(out_t), uint64_t(N), uint64_t(M), ldo), "layout out");
-  }
-}
-
 void LtGemm::find_algo(Plan& p, int al_a, int al_b, int al_c) {
   cublasLtMatmulPreference_t pref = nullptr;
   lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
@@ -137,37 +113,9 @@ void LtGemm::find_algo(Plan& p, int al_a, int al_b, int al_c) {
     const char* e = std::getenv("QWEN_RT_GEMM_VERBOSE");
     return e && *e == '1';
   }();
-  if (verbose && !p.ok)  // tools/fp8_gemm_probe.py: why cuBLASLt declined a plan
+  if (verbose && !p.ok)  // why cuBLASLt declined a plan
     std::fprintf(stderr, "cuBLASLt declined a plan: heuristic status %d (%s), %d algorithms\n", int(st),
                  cublasLtGetStatusName(st), found);
-}
-
-bool LtGemm::run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8,
-                     int64_t ldw, const float* w_scale, void* out, int64_t ldo, DType out_t, cudaStream_t s,
-                     bool accumulate, bool x_first) {
-  if (M == 0 || N == 0) return true;
-  const int al_x = alignment(x8, K), al_w = alignment(w8, ldw), al_o = alignment(out, ldo * int64_t(dtype_size(out_t)));
-  // Keyed apart from the 16-bit plans by a dtype no 16-bit plan has (F8E4M3), and by the orientation.
-  const Key k{int(DType::F8E4M3), M, N, K, x_first ? 1 : 0, ldw, ldo, al_x, al_w, al_o, -1, int(out_t)};
-  Plan& p = plan(k, [&](Plan& q) {
-    build_fp8_plan(q, M, N, K, ldw, ldo, out_t, x_first);
-    if (x_first) find_algo(q, al_x, al_w, al_o);
-    else find_algo(q, al_w, al_x, al_o);
-  });
-  if (!p.ok) return false;
-  const float* a_scale = x_first ? x_scale : w_scale;
-  const float* b_scale = x_first ? w_scale : x_scale;
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)),
-           "set A scale");
-  lt_check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)),
-           "set B scale");
-  const float alpha = 1.0f, beta = accumulate && !x_first ? 1.0f : 0.0f;
-  const void* a = x_first ? x8 : w8;
-  const void* b = x_first ? w8 : x8;
-  lt_check(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, out, p.c, out, p.c, &p.algo, workspace_,
-                          ws_bytes_, s),
-           "cublasLtMatmul (fp8)");
-  return true;
 }
 
 bool LtGemm::run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,

@@ -25,15 +25,6 @@ class LtGemm {
   bool run(DType t, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* w, int64_t ldw,
            void* out, int64_t ldo, const void* bias, DType bias_t, cudaStream_t s, DType out_t,
            bool accumulate = false);
-  // W8A8 with block scales (Hopper): (x8 * x_scale) @ (w8 * w_scale)^T with fp32 accumulation, e4m3 x8 [M, K]
-  // (pitch K) with a scale per row and 128 columns, e4m3 w8 [N, K] (pitch ldw) with a scale per 128 x 128 block (the
-  // scale tensors in whatever order cuBLASLt reads them). x_first false: the weights are cuBLASLt's A and the
-  // product goes to out, row-major [M, N] (pitch ldo), added when accumulate; x_first true: the activations are A
-  // and out is column-major [M, N] (pitch ldo >= M), written. Returns false (nothing enqueued) where cuBLASLt has no
-  // algorithm.
-  bool run_fp8(int64_t M, int64_t N, int64_t K, const void* x8, const float* x_scale, const void* w8, int64_t ldw,
-               const float* w_scale, void* out, int64_t ldo, DType out_t, cudaStream_t s, bool accumulate,
-               bool x_first);
 
  private:
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int>;
@@ -48,7 +39,6 @@ class LtGemm {
   Plan& plan(const Key& k, Build&& build);
   void build_plan(Plan& p, DType t, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, int64_t ldo,
                   int al_x, int al_w, int al_o, int bias_t, DType out_t);
-  void build_fp8_plan(Plan& p, int64_t M, int64_t N, int64_t K, int64_t ldw, int64_t ldo, DType out_t, bool x_first);
   void find_algo(Plan& p, int al_a, int al_b, int al_c);
   static void destroy(Plan& p) noexcept;
 
