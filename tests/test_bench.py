@@ -57,7 +57,7 @@ def test_cpu_bench_runs_both_engines_and_measures_closeness(tmp_path, capsys):
 
 def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
     """`qwen-rt bench cpu --phases`: qwen_rt alone on random weights, a record with a prefill row and a decode row per
-    batch size and dtype, each with its time and rate."""
+    batch size and dtype (fp8: the weights quantized at load), each with its time and rate."""
     import json
 
     from qwen_rt import bench
@@ -65,12 +65,13 @@ def test_cpu_bench_phases_times_prefill_and_decode(tmp_path):
     rec_path = tmp_path / "rec.jsonl"
     # Four rounds: a decode step is a difference of two timings, which a loaded machine can make negative in one.
     argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "16", "--batch-sizes", "1,2",
-            "--repeats", "4", "--dtype", "float32,bfloat16", "--json", str(rec_path)]
+            "--repeats", "4", "--dtype", "float32,bfloat16,fp8", "--json", str(rec_path)]
     assert bench.main(argv) == 0
     rec = json.loads(rec_path.read_text().splitlines()[-1])
     assert rec["bench"] == "cpu-phases" and rec["model"]["num_hidden_layers"] == 2
     phases = {(r["dtype"], r["phase"]): r for r in rec["rows"]}
-    assert set(phases) == {(d, p) for d in ("float32", "bfloat16") for p in ("prefill 16", "decode b1", "decode b2")}
+    assert set(phases) == {(d, p) for d in ("float32", "bfloat16", "fp8")
+                           for p in ("prefill 16", "decode b1", "decode b2")}
     assert all(r["time_ms"] > 0 and r["tok_s"] > 0 for r in rec["rows"])
     assert phases[("float32", "decode b2")]["mbu"] > 0 and phases[("bfloat16", "prefill 16")]["gflop_s"] > 0
 
@@ -102,13 +103,14 @@ def test_cpu_bench_against_llama_cpp(tmp_path):
         pytest.skip("an optional peer: llama-cpp-python and $LLAMA_CPP_CONVERTER are not both here")
     rec_path = tmp_path / "rec.jsonl"
     argv = ["cpu", "--phases", "--layers", "2", "--vocab", "4096", "--prefill-len", "32", "--batch-sizes", "1,4",
-            "--repeats", "2", "--dtype", "float32,bfloat16", "--peer", "llama.cpp", "--json", str(rec_path)]
+            "--repeats", "2", "--dtype", "float32,bfloat16,fp8", "--peer", "llama.cpp", "--json", str(rec_path)]
     assert bench.main(argv) == 0
     rec = json.loads(rec_path.read_text().splitlines()[-1])
     engines = {(r["engine"], r["dtype"]) for r in rec["rows"]}
-    assert {("llama.cpp", t) for t in ("F32", "BF16", "F16")} <= engines
+    assert {("llama.cpp", t) for t in ("F32", "BF16", "F16", "Q8_0")} <= engines
     pairs = {(r["qwen_rt"], r["llama.cpp"], r["phase"]) for r in rec["vs_peer"]}
     assert ("bfloat16", "F16", "decode b4") in pairs and ("float32", "F32", "prefill 32") in pairs
+    assert ("fp8", "Q8_0", "decode b1") in pairs
     assert all(r["speed_ratio"] > 0 for r in rec["vs_peer"])
 
 

@@ -479,6 +479,9 @@ def _phase_cfg(args) -> dict:
     return cfg
 
 
+PEER_TYPES = ("F32", "BF16", "F16", "Q8_0")  # the GGUF types the peer converts
+
+
 def run_cpu_phases(args) -> int:
     """qwen_rt alone, by phase, on random weights drawn from the config: prefill of one --prefill-len prompt
     (tokens/s, and GFLOP/s of its linear layers and attention), and decode steps at each batch size (the time of 72 generated
@@ -516,15 +519,17 @@ def run_cpu_phases(args) -> int:
     try:
         # With a peer: real checkpoints (the same random weights for both engines), else qwen_rt's dummy weights.
         files = llama.write_models(cfg, args.seed, workdir, converter, log) if peer else {}
-        for dtype in dtypes:
-            src = (files["bfloat16"] if dtype == "bfloat16" else files["float32"]) if peer else folder
-            gens[dtype] = Generator(str(src), device="cpu", dtype=dtype, load_format="auto" if peer else "dummy",
+        for dtype in dtypes:  # "fp8": the bf16 checkpoint quantized at load (block-128 FP8 linears)
+            src = (files["float32"] if dtype == "float32" else files["bfloat16"]) if peer else folder
+            gens[dtype] = Generator(str(src), device="cpu", dtype="bfloat16" if dtype == "fp8" else dtype,
+                                    quantization="fp8" if dtype == "fp8" else None,
+                                    load_format="auto" if peer else "dummy",
                                     seed=args.seed, max_batch_size=max(batch_sizes), max_model_len=P + 128,
                                     num_threads=threads, enable_prefix_caching=False, progress=False)
         if peer:
             n_seq = max(batch_sizes)
             n_ctx = n_seq * ((max(P, short + 64) + 16 + 255) // 256 * 256)
-            for t in ("F32", "BF16", "F16"):
+            for t in PEER_TYPES[:3] + (("Q8_0",) if "fp8" in dtypes else ()):
                 peers[t] = llama.Peer(files[t], threads, n_ctx, n_seq, n_batch=512)
         prompt = rng.integers(3, cfg["vocab_size"], size=P).tolist()
         shorts = rng.integers(3, cfg["vocab_size"], size=(max(batch_sizes), short)).tolist()
@@ -567,7 +572,7 @@ def run_cpu_phases(args) -> int:
     prefill_flop = 2 * (linear_params - head) * P + 2 * head + attn_flop  # the LM head on the last row only
     rows = []
     for dtype in dtypes + list(peers):
-        esz = 4 if dtype in ("float32", "F32") else 2
+        esz = {"float32": 4, "F32": 4, "fp8": 1 + 4 / 128**2, "Q8_0": 34 / 32}.get(dtype, 2)  # weight bytes
         t, cpu = best[(dtype, "prefill")]
         rows.append({"engine": "llama.cpp" if dtype in peers else "qwen_rt", "dtype": dtype, "phase": f"prefill {P}",
                      "time_ms": t * 1e3, "cpu_ms": cpu * 1e3, "tok_s": P / t, "gflop_s": prefill_flop / t / 1e9})
@@ -583,7 +588,8 @@ def run_cpu_phases(args) -> int:
     _print_table(rows, file=sys.stderr)
     ratios = []
     if peers:  # qwen_rt's speed over llama.cpp's (> 1: faster), phase by phase, wall and CPU time
-        for ours, theirs in (("float32", "F32"), ("bfloat16", "BF16"), ("bfloat16", "F16")):
+        # FP8 against Q8_0 for information: both 8-bit weights, not the same format.
+        for ours, theirs in (("float32", "F32"), ("bfloat16", "BF16"), ("bfloat16", "F16"), ("fp8", "Q8_0")):
             if ours not in dtypes:
                 continue
             for phase in ["prefill"] + batch_sizes:
@@ -619,7 +625,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32,bfloat16", help="qwen_rt dtypes, comma-separated")
+    p.add_argument("--dtype", default="float32,bfloat16",
+                   help="qwen_rt dtypes, comma-separated (--phases also takes fp8: the bf16 weights quantized at load, "
+                        "timed against llama.cpp's Q8_0)")
     p.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes, comma-separated")
     p.add_argument("--hf-attn", default="sdpa,eager", help="transformers attention implementations")
     p.add_argument("--hf-cache", default="dynamic,static", help="transformers KV caches")

@@ -77,7 +77,7 @@ def _write_tokenizer(folder: Path, vocab: int) -> None:
 
 def write_models(cfg: dict, seed: int, workdir: Path, converter: Path, log) -> dict[str, Path]:
     """The random Qwen3 of cfg (torch seed) as transformers checkpoints {"float32", "bfloat16"} and GGUF files
-    {"F32", "BF16", "F16"} (F16 from the float32 checkpoint)."""
+    {"F32", "BF16", "F16", "Q8_0"} (F16 and Q8_0 from the float32 checkpoint)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
@@ -89,7 +89,7 @@ def write_models(cfg: dict, seed: int, workdir: Path, converter: Path, log) -> d
         model.to(dt).save_pretrained(folder, safe_serialization=True)
         _write_tokenizer(folder, cfg["vocab_size"])
         out[name] = folder
-    for src, t in (("float32", "F32"), ("bfloat16", "BF16"), ("float32", "F16")):
+    for src, t in (("float32", "F32"), ("bfloat16", "BF16"), ("float32", "F16"), ("float32", "Q8_0")):
         dst = workdir / f"m-{t}.gguf"
         log(f"  converting to GGUF {t} ({converter})")
         r = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(out[src]), "--outtype", t.lower(),
