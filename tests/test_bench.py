@@ -166,3 +166,20 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main(["cpu", "--plot", "never.png"])
     assert "--plot: needs matplotlib, which is not installed (pip install matplotlib)" in capsys.readouterr().err
+
+
+def test_top20_divergence_compares_positions_while_greedy_tokens_agree():
+    """The KL of the FP8 run's top-20 distribution from the reference's, per position until the tokens part."""
+    import math
+    from types import SimpleNamespace
+
+    from qwen_rt.bench_gpu import top20_divergence
+
+    la = {1: math.log(0.6), 2: math.log(0.4)}
+    lb = {1: math.log(0.5), 2: math.log(0.5)}
+    a = SimpleNamespace(token_ids=[1, 1, 2], logprobs=[la, la, la])
+    b = SimpleNamespace(token_ids=[1, 1, 1], logprobs=[la, lb, lb])
+    kls, gaps, agree, steps = top20_divergence(a, b)
+    assert (agree, steps) == (2, 3) and len(kls) == 2 and kls[0] == 0.0
+    assert math.isclose(kls[1], 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5))
+    assert math.isclose(gaps[1], abs(math.log(0.6) - math.log(0.5)))

@@ -311,7 +311,6 @@ def bench_kv_fp8(model: str, lengths, new_tokens: int, rng) -> list[dict]:
     agree, per position the KL divergence of the fp8 cache's top-20 distribution from the bf16 one's (over the
     tokens both list) and the largest |logprob| change of the bf16 argmax; argmax_agree counts the positions up to
     the first that differs."""
-    import math
     rows = []
     for n in lengths:
         p = None
@@ -325,20 +324,71 @@ def bench_kv_fp8(model: str, lengths, new_tokens: int, rng) -> list[dict]:
                 runs[kv] = g.generate([p], max_tokens=new_tokens, logprobs=20, temperature=0, ignore_eos=True)[0]
             finally:
                 g.close()
-        a, b = runs["auto"], runs["fp8"]
-        kls, gaps, agree, steps = [], [], 0, 0
-        for la, lb, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
-            steps += 1
-            agree += ta == tb
-            if ta != tb:
-                break  # the continuations part: later positions see different prefixes
-            common = la.keys() & lb.keys()
-            kls.append(sum(math.exp(la[t]) * (la[t] - lb[t]) for t in common))
-            gaps.append(abs(la[ta] - lb.get(ta, la[ta])))
+        kls, gaps, agree, steps = top20_divergence(runs["auto"], runs["fp8"])
         rows.append({"model": model, "quantization": QUANT, "context": n, "positions": steps,
                      "argmax_agree": f"{agree}/{steps}", "mean_kl_top20": round(sum(kls) / max(len(kls), 1), 6),
                      "max_abs_dlogprob": round(max(gaps, default=0.0), 4)})
         log(rows[-1])
+    return rows
+
+
+def top20_divergence(a, b) -> tuple[list[float], list[float], int, int]:
+    """Two greedy completions of one prompt with logprobs=20, a the reference: per position while their tokens agree,
+    the KL divergence of b's top-20 distribution from a's (over the tokens both list) and |a's argmax logprob change|;
+    then the positions that agree and the positions compared (up to and with the first that differs)."""
+    import math
+    kls, gaps, agree, steps = [], [], 0, 0
+    for la, lb, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+        steps += 1
+        agree += ta == tb
+        if ta != tb:
+            break  # the continuations part: later positions see different prefixes
+        common = la.keys() & lb.keys()
+        kls.append(sum(math.exp(la[t]) * (la[t] - lb[t]) for t in common))
+        gaps.append(abs(la[ta] - lb.get(ta, la[ta])))
+    return kls, gaps, agree, steps
+
+
+def bench_fp8_weights(model: str, limits: dict, rng, prefill_len: int = 8192, kl_prompts: int = 8,
+                      kl_len: int = 256, kl_tokens: int = 32) -> list[dict]:
+    """FP8 weights (quantization="fp8": the same dummy weights quantized at load) against bf16 in one run: batch-1
+    decode (tok/s, MBU), offline 512 x 128/128 (output tok/s), the time to first token of a prefill_len prompt, and
+    the error FP8 brings: per position the KL divergence of the next-token distribution (top-20) from bf16's over a
+    fixed prompt set (random weights: the numerical error, not a task's accuracy). One row per measure with both
+    values and fp8 / bf16."""
+    import numpy as np
+    global QUANT
+    saved, seed = QUANT, int(rng.integers(1 << 30))
+    got: dict[str, dict] = {}
+    try:
+        for q in (None, "fp8"):
+            QUANT = q
+            r = np.random.default_rng(seed)  # the same prompts for both
+            d = bench_decode(model, [1], 512, 128, limits, r)[0]
+            o = bench_offline(model, limits, r, n_random=0)[0]
+            p = bench_prefill(model, [prefill_len], limits, r)[0]
+            g = _gen(model, max_batch_size=kl_prompts, max_model_len=kl_len + kl_tokens + 16)
+            try:
+                ps = _prompts(np.random.default_rng(seed + 1), kl_prompts, kl_len, g.config["vocab_size"])
+                runs = g.generate(ps, max_tokens=kl_tokens, logprobs=20, temperature=0, ignore_eos=True)
+            finally:
+                g.close()
+            got[q or "bf16"] = {"decode b1 tok/s": d["decode_tok_s"], "decode b1 MBU": d["mbu"],
+                                "offline 512x128/128 output tok/s": o["output_tok_s"],
+                                f"prefill {prefill_len} TTFT ms": p["ttft_ms"], "runs": runs}
+    finally:
+        QUANT = saved
+    rows = [{"model": model, "measure": k, "bf16": got["bf16"][k], "fp8": got["fp8"][k],
+             "fp8_over_bf16": round(got["fp8"][k] / got["bf16"][k], 3)} for k in got["bf16"] if k != "runs"]
+    kls, gaps, agree, steps = [], [], 0, 0
+    for a, b in zip(got["bf16"]["runs"], got["fp8"]["runs"]):
+        k_, g_, a_, s_ = top20_divergence(a, b)
+        kls += k_; gaps += g_; agree += a_; steps += s_
+    rows.append({"model": model, "measure": f"KL(bf16 || fp8), top-20, {kl_prompts} prompts x {kl_tokens} tokens",
+                 "bf16": "-", "fp8": round(sum(kls) / max(len(kls), 1), 6),
+                 "fp8_over_bf16": f"argmax agree {agree}/{steps}, max |dlogprob| {max(gaps, default=0.0):.4f}"})
+    for row in rows:
+        log(row)
     return rows
 
 
@@ -491,6 +541,7 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-offload", type=int, default=0, help="kv_offload_memory in bytes (0: none)")
     p.add_argument("--longctx-kv", default="auto", help="kv_cache_dtype values to run: auto, fp8 or auto,fp8")
     p.add_argument("--kvfp8-model", default="qwen3.8-27b")
+    p.add_argument("--fp8-model", default="qwen3-8b", help="--parts fp8: FP8 weights against bf16 (issue 31's table)")
     p.add_argument("--kvfp8-lengths", default="4096,32768")
     p.add_argument("--longctx-synthetic-from", type=int, default=262144,
                    help="contexts of this many tokens or more decode over random stand-in K/V (0: never)")
@@ -551,6 +602,9 @@ def run(args) -> int:
                                        max(args.new_tokens, 8), args.longctx_offload, rng,
                                        args.longctx_synthetic_from, args.longctx_kv.split(","))
         print_table(rec["longctx"])
+    if "fp8" in parts:
+        rec["fp8"] = bench_fp8_weights(args.fp8_model, limits, rng)
+        print_table(rec["fp8"])
     if "kvfp8" in parts:
         rec["kvfp8"] = bench_kv_fp8(args.kvfp8_model, [int(x) for x in args.kvfp8_lengths.split(",")],
                                     max(args.new_tokens, 16), rng)
