@@ -19,23 +19,46 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef _Float16 v16f16 __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
+// Half-width lanes: without AVX-512, GCC scalarizes some 16-lane operations (float16 widening, selects against a
+// bound), so exp16 and f8x16_over_256 run on two 8-lane halves there (the same values lane by lane).
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef _Float16 v8f16 __attribute__((vector_size(16)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
 
-// 16 e4m3 values times 2^-8, exactly: the 7 magnitude bits placed as a half's exponent and mantissa (bias 15
-// against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
+// e4m3 values times 2^-8, exactly (VB bytes in, VF floats out, lane by lane): the 7 magnitude bits placed as a
+// half's exponent and mantissa (bias 15 against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
+template <typename VB, typename VH, typename VF16, typename VF, typename VU>
+inline VF f8_over_256(VB b) {
+  const VH h = __builtin_convertvector(b, VH);
+  const VH bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
+  VF16 f;
+  std::memcpy(&f, &bits, sizeof f);
+  VF v = __builtin_convertvector(f, VF);
+  const VU nan = (VU)(__builtin_convertvector(h & 0x7f, VU) == 0x7fu);
+  VU u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u & ~nan) | (nan & 0x7fc00000u);
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// 16 e4m3 values times 2^-8, exactly.
 inline v16f f8x16_over_256(const uint8_t* p) {
+#if defined(__AVX512F__)
   v16b b;
   std::memcpy(&b, p, 16);
-  const v16h h = __builtin_convertvector(b, v16h);
-  const v16h bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
-  v16f16 f;
-  std::memcpy(&f, &bits, 32);
-  v16f v = __builtin_convertvector(f, v16f);
-  const v16u nan = (v16u)(__builtin_convertvector(h & 0x7f, v16u) == 0x7fu);
-  v16u u;
-  std::memcpy(&u, &v, 64);
-  u = (u & ~nan) | (nan & 0x7fc00000u);
-  std::memcpy(&v, &u, 64);
+  return f8_over_256<v16b, v16h, v16f16, v16f, v16u>(b);
+#else
+  v8b b[2];
+  std::memcpy(b, p, 16);
+  v8f h[2] = {f8_over_256<v8b, v8h, v8f16, v8f, v8u>(b[0]), f8_over_256<v8b, v8h, v8f16, v8f, v8u>(b[1])};
+  v16f v;
+  std::memcpy(&v, h, 64);
   return v;
+#endif
 }
 
 // n e4m3 values as fp32 into out.
@@ -82,22 +105,35 @@ inline float lane_sum(v16f v) {
 
 // exp(x) for x <= 0 in 16 lanes: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2, a degree-6 polynomial
 // (relative error ~2e-7). Deterministic on every machine, vectorized without -ffast-math.
-inline v16f exp16(v16f x) {
-  const v16f lim = v16f{} - 87.0f;  // keeps 2^n a normal number
+template <typename VF, typename VI>
+inline VF exp_lanes(VF x) {
+  const VF lim = VF{} - 87.0f;  // keeps 2^n a normal number
   x = x < lim ? lim : x;
-  const v16f u = x * 1.44269504f + 0.5f;
-  v16i ni = __builtin_convertvector(u, v16i);             // truncates toward zero
-  ni += (v16i)(__builtin_convertvector(ni, v16f) > u);     // ... so step down to floor where needed
-  const v16f n = __builtin_convertvector(ni, v16f);
-  const v16f r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  v16f q = v16f{} + 1.0f / 720.0f;
+  const VF u = x * 1.44269504f + 0.5f;
+  VI ni = __builtin_convertvector(u, VI);             // truncates toward zero
+  ni += (VI)(__builtin_convertvector(ni, VF) > u);     // ... so step down to floor where needed
+  const VF n = __builtin_convertvector(ni, VF);
+  const VF r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  VF q = VF{} + 1.0f / 720.0f;
   q = q * r + 1.0f / 120.0f;
   q = q * r + 1.0f / 24.0f;
   q = q * r + 1.0f / 6.0f;
   q = q * r + 0.5f;
   q = q * r + 1.0f;
   q = q * r + 1.0f;
-  return q * (v16f)((ni + 127) << 23);
+  return q * (VF)((ni + 127) << 23);
+}
+inline v16f exp16(v16f x) {
+#if defined(__AVX512F__)
+  return exp_lanes<v16f, v16i>(x);
+#else
+  v8f h[2];
+  std::memcpy(h, &x, 64);
+  h[0] = exp_lanes<v8f, v8i>(h[0]);
+  h[1] = exp_lanes<v8f, v8i>(h[1]);
+  std::memcpy(&x, h, 64);
+  return x;
+#endif
 }
 
 // In place: x[i] = exp(x[i] - shift) for i < n; returns their sum.
