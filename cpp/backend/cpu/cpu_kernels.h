@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -28,15 +28,51 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef _Float16 v8f16 __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
+// IEEE half bit patterns widened to fp32 (exact), by F16C where present: GCC converts a vector of _Float16 one lane
+// at a time, even with AVX512-FP16.
+inline v16f half_to_f32(v16h bits) {
+#if defined(__AVX512F__)
+  __m256i b;
+  std::memcpy(&b, &bits, 32);
+  const __m512 f = _mm512_cvtph_ps(b);
+  v16f v;
+  std::memcpy(&v, &f, 64);
+  return v;
+#elif defined(__F16C__)
+  __m128i b[2];
+  std::memcpy(b, &bits, 32);
+  const __m256 f[2] = {_mm256_cvtph_ps(b[0]), _mm256_cvtph_ps(b[1])};
+  v16f v;
+  std::memcpy(&v, f, 64);
+  return v;
+#else
+  v16f16 h;
+  std::memcpy(&h, &bits, 32);
+  return __builtin_convertvector(h, v16f);
+#endif
+}
+inline v8f half_to_f32(v8h bits) {
+#if defined(__F16C__)
+  __m128i b;
+  std::memcpy(&b, &bits, 16);
+  const __m256 f = _mm256_cvtph_ps(b);
+  v8f v;
+  std::memcpy(&v, &f, 32);
+  return v;
+#else
+  v8f16 h;
+  std::memcpy(&h, &bits, 16);
+  return __builtin_convertvector(h, v8f);
+#endif
+}
+
 // e4m3 values times 2^-8, exactly (VB bytes in, VF floats out, lane by lane): the 7 magnitude bits placed as a
 // half's exponent and mantissa (bias 15 against e4m3's 7), then widened; NaN codes (S.1111.111) give NaN.
-template <typename VB, typename VH, typename VF16, typename VF, typename VU>
+template <typename VB, typename VH, typename VF, typename VU>
 inline VF f8_over_256(VB b) {
   const VH h = __builtin_convertvector(b, VH);
   const VH bits = ((h & 0x80) << 8) | ((h & 0x7f) << 7);
-  VF16 f;
-  std::memcpy(&f, &bits, sizeof f);
-  VF v = __builtin_convertvector(f, VF);
+  VF v = half_to_f32(bits);
   const VU nan = (VU)(__builtin_convertvector(h & 0x7f, VU) == 0x7fu);
   VU u;
   std::memcpy(&u, &v, sizeof u);
@@ -50,11 +86,11 @@ inline v16f f8x16_over_256(const uint8_t* p) {
 #if defined(__AVX512F__)
   v16b b;
   std::memcpy(&b, p, 16);
-  return f8_over_256<v16b, v16h, v16f16, v16f, v16u>(b);
+  return f8_over_256<v16b, v16h, v16f, v16u>(b);
 #else
   v8b b[2];
   std::memcpy(b, p, 16);
-  v8f h[2] = {f8_over_256<v8b, v8h, v8f16, v8f, v8u>(b[0]), f8_over_256<v8b, v8h, v8f16, v8f, v8u>(b[1])};
+  v8f h[2] = {f8_over_256<v8b, v8h, v8f, v8u>(b[0]), f8_over_256<v8b, v8h, v8f, v8u>(b[1])};
   v16f v;
   std::memcpy(&v, h, 64);
   return v;

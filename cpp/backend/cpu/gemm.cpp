@@ -92,20 +92,9 @@ template <> inline v16f load_w<DType::BF16>(const void* base, int64_t i) {
 #endif
 }
 template <> inline v16f load_w<DType::F16>(const void* base, int64_t i) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<v16f>(
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i))));
-#elif defined(__AVX2__) && defined(__F16C__)  // (GCC widens a 16-lane float16 vector one lane at a time)
-  const __m128i* q = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i);
-  const __m256 half[2] = {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
-  v16f f;
-  std::memcpy(&f, half, 64);
-  return f;
-#else
-  v16f16 h;
+  v16h h;
   std::memcpy(&h, static_cast<const uint16_t*>(base) + i, 32);
-  return __builtin_convertvector(h, v16f);
-#endif
+  return half_to_f32(h);
 }
 
 template <DType WT> inline float load_w1(const void* base, int64_t i);

@@ -1,9 +1,9 @@
 // FP8 weights on the CPU: y = x @ (w * scale)^T in fp32 with e4m3 weights and their block scales (ops.h Linear),
-// each block of 16 weight rows dequantized into a thread's scratch just before its tiles use it (never the whole
-// matrix); and Backend::quantize_fp8, the block quantization of Qwen's FP8 checkpoints.
+// each block of weight rows dequantized into a thread's scratch just before the fp32 GEMM (gemm.cpp) multiplies it
+// (never the whole matrix); and Backend::quantize_fp8, the block quantization of Qwen's FP8 checkpoints.
 // A dequantized weight is the fp32 product w * scale, rounded once: exactly the matrix a framework gets by
-// dequantizing, so the products are those of the float32 path on that matrix (16 fp32 lanes accumulated in K
-// order, lane_sum, then the tail by fma in K order; the same for every M and thread count: batch invariance).
+// dequantizing, so the products are those of the float32 path on that matrix (the same for every M and thread
+// count: batch invariance).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -15,7 +15,7 @@ namespace qrt::cpu {
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kRowsPerBlock = 16;  // weight rows dequantized at a time
+constexpr int64_t kRowsPerBlock = 32;  // weight rows dequantized at a time (decode; prefill 8x)
 
 // Row r of w dequantized into dst (K floats): w[r, k] * scale[r >> shift, k / 128], each an fp32 product.
 void dequantize_row(const Linear& lw, int64_t r, float* dst) {
@@ -32,40 +32,6 @@ void dequantize_row(const Linear& lw, int64_t r, float* dst) {
       std::memcpy(dst + k, &v, 64);
     }
     for (; k < k1; ++k) dst[k] = f8e4m3_to_f32(src[k]) * sc;
-  }
-}
-
-// An mr x nr tile of fp32 dot products of x rows against dequantized weight rows (rows of K floats).
-template <int mr, int nr>
-void tile(const float* x, int64_t ldx, const float* w, int64_t K, float (&res)[4][4]) {
-  v16f acc[mr][nr];
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) acc[i][j] = v16f{};
-  const int64_t kv = K / kLanes * kLanes;
-  for (int64_t k = 0; k < kv; k += kLanes) {
-    v16f wv[nr];
-    for (int j = 0; j < nr; ++j) std::memcpy(&wv[j], w + j * K + k, 64);
-    for (int i = 0; i < mr; ++i) {
-      v16f xv;
-      std::memcpy(&xv, x + i * ldx + k, 64);
-      for (int j = 0; j < nr; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) {
-      float tail = 0.f;
-      for (int64_t k = kv; k < K; ++k) tail = std::fma(x[i * ldx + k], w[j * K + k], tail);
-      res[i][j] = lane_sum(acc[i][j]) + tail;
-    }
-}
-
-template <int mr>
-void tile_n(int nr, const float* x, int64_t ldx, const float* w, int64_t K, float (&res)[4][4]) {
-  switch (nr) {
-    case 4: tile<mr, 4>(x, ldx, w, K, res); break;
-    case 3: tile<mr, 3>(x, ldx, w, K, res); break;
-    case 2: tile<mr, 2>(x, ldx, w, K, res); break;
-    default: tile<mr, 1>(x, ldx, w, K, res); break;
   }
 }
 
@@ -90,37 +56,19 @@ void gemm_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out
   check_fp8_linear(lw, "cpu linear");
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   if (M == 0 || N == 0) return;
-  const int64_t nblocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const float* xp = x.ptr<float>();
-  pool.run(M * N * K > (1 << 16), [&](int t, int T) {
-    std::vector<float> wide(size_t(kRowsPerBlock * K));
-    const auto [b0, b1] = ThreadPool::static_range(nblocks, t, T);
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      const int64_t n0 = nb * kRowsPerBlock, n1 = std::min(N, n0 + kRowsPerBlock);
-      for (int64_t n = n0; n < n1; ++n) dequantize_row(lw, n, wide.data() + (n - n0) * K);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = int(std::min<int64_t>(4, M - m0));
-        for (int64_t j0 = n0; j0 < n1; j0 += 4) {
-          const int nr = int(std::min<int64_t>(4, n1 - j0));
-          float res[4][4];
-          const float* xr = xp + m0 * x.stride;
-          const float* wr = wide.data() + (j0 - n0) * K;
-          switch (mr) {
-            case 4: tile_n<4>(nr, xr, x.stride, wr, K, res); break;
-            case 3: tile_n<3>(nr, xr, x.stride, wr, K, res); break;
-            case 2: tile_n<2>(nr, xr, x.stride, wr, K, res); break;
-            default: tile_n<1>(nr, xr, x.stride, wr, K, res); break;
-          }
-          for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) {
-              float v = res[i][j];
-              if (bias) v += load_f32(*bias, 0, j0 + j);
-              float& o = out.ptr<float>()[(m0 + i) * out.stride + j0 + j];
-              o = accumulate ? o + v : v;
-            }
-        }
-      }
-    }
+  // Prefill packs x once per block (gemm_packed): larger blocks there.
+  const int64_t block = M >= 24 ? 8 * kRowsPerBlock : kRowsPerBlock, nblocks = (N + block - 1) / block;
+  pool.for_dynamic(nblocks, M * N * K > (1 << 16), [&](int64_t nb, int) {
+    thread_local ThreadPool serial(1);
+    thread_local std::vector<float> wide;
+    const int64_t n0 = nb * block, n1 = std::min(N, n0 + block);
+    wide.resize(size_t((n1 - n0) * K));
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(lw, n, wide.data() + (n - n0) * K);
+    const Tensor wt(wide.data(), DType::F32, n1 - n0, K);
+    Tensor ot(out.ptr<float>() + n0, DType::F32, M, n1 - n0, out.stride);
+    Tensor bt;
+    if (bias) bt = Tensor(static_cast<char*>(bias->data) + n0 * int64_t(dtype_size(bias->dtype)), bias->dtype, 1, n1 - n0);
+    gemm(x, wt, bias ? &bt : nullptr, ot, serial, accumulate);
   });
 }
 
