@@ -1,0 +1,45 @@
+// CPU GEMM check for builds of the kernels other than this machine's (the test suite covers the native one): every
+// row of x @ w^T for 40 rows equals the row computed alone, bit for bit, at row counts that take each tile family
+// (few rows, 5-15, 16-23 with 16-bit blocks widened, 24+ packed outer products), for fp32, bf16 and fp16 weights
+// and K with and without a tail. Build, e.g. the AVX2 + FMA kernels on an AVX-512 machine:
+//   g++ -O3 -march=haswell -std=gnu++17 -Icpp tools/gemm_cpu_check.cpp cpp/backend/cpu/gemm.cpp \
+//       build/cpu/libqrt_base.a -o /tmp/gemm_cpu_check -lpthread -ldl && /tmp/gemm_cpu_check
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+#include "backend/cpu/cpu_kernels.h"
+#include "backend/cpu/thread_pool.h"
+using namespace qrt;
+int main() {
+  cpu::ThreadPool pool(2);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  int bad = 0;
+  for (DType wdt : {DType::F32, DType::BF16, DType::F16})
+    for (auto [K, N] : std::vector<std::pair<int, int>>{{768, 50}, {100, 37}, {2048, 19}, {5, 7}, {257, 33}, {64, 100}}) {
+      int M = 40;
+      std::vector<float> x(M * K), wf(N * K);
+      for (auto& v : x) v = u(rng);
+      for (auto& v : wf) v = u(rng);
+      size_t esz = dtype_size(wdt);
+      std::vector<char> w(N * K * esz);
+      for (int i = 0; i < N * K; ++i) {
+        if (wdt == DType::F32) std::memcpy(&w[i * 4], &wf[i], 4);
+        else { uint16_t h = wdt == DType::BF16 ? f32_to_bf16(wf[i]) : f32_to_f16(wf[i]); std::memcpy(&w[i * 2], &h, 2); }
+      }
+      Tensor wt(w.data(), wdt, N, K);
+      std::vector<float> alone(M * N), all(M * N);
+      for (int i = 0; i < M; ++i) {
+        Tensor xt(x.data() + i * K, DType::F32, 1, K), ot(alone.data() + i * N, DType::F32, 1, N);
+        cpu::gemm(xt, wt, nullptr, ot, pool, false);
+      }
+      for (int n : {2, 3, 7, 8, 13, 16, 17, 24, 31, 40}) {
+        Tensor xt(x.data(), DType::F32, n, K), ot(all.data(), DType::F32, n, N);
+        cpu::gemm(xt, wt, nullptr, ot, pool, false);
+        if (std::memcmp(all.data(), alone.data(), size_t(n) * N * 4)) { ++bad; std::printf("differ: dt %d K %d N %d rows %d\n", int(wdt), K, N, n); }
+      }
+    }
+  std::printf("%s\n", bad ? "FAIL" : "ok");
+  return bad != 0;
+}
