@@ -108,6 +108,10 @@ class Peer:
         self.L = L
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        if gguf.stem.endswith("Q8_0"):
+            # Q8_0 through the AMX repacked buffers crashed llama-cpp-python 0.3.36 (SIGSEGV in the first decode on
+            # a Sapphire Rapids VM): the plain CPU buffers instead.
+            mp.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
