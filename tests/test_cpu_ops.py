@@ -209,6 +209,12 @@ def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
         for n in (2, 3, 4, 7, 8, 13, 16, 17, 24, 31, 40):
             np.testing.assert_array_equal(np.asarray(h.linear(x[:n], w, None, w_dtype)), alone[:n],
                                           err_msg=f"{n} rows, k {k}")
+    # Past 1024 rows x is packed by chunks of 1024 rows: rows on either side of the seam, as alone.
+    x = rnd(rng, 1100, 80)
+    w = rnd(rng, 33, 80, scale=1.0 / math.sqrt(80))
+    full = np.asarray(h.linear(x, w, None, w_dtype))
+    for i in (0, 1023, 1024, 1099):
+        np.testing.assert_array_equal(full[i:i + 1], np.asarray(h.linear(x[i:i + 1], w, None, w_dtype)))
 
 
 @pytest.mark.parametrize("w_dtype", W_DTYPES)

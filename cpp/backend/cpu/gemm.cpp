@@ -626,6 +626,16 @@ void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* pa
 template <DType WT>
 void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, ThreadPool& pool,
                  bool accumulate) {
+  constexpr int64_t kChunkRows = 1024;  // x is packed this many rows at a time (its scratch stays allocated)
+  if (x.rows > kChunkRows) {
+    for (int64_t m0 = 0; m0 < x.rows; m0 += kChunkRows) {
+      const int64_t n = std::min(kChunkRows, x.rows - m0);
+      const Tensor xc(x.ptr<float>() + m0 * x.stride, DType::F32, n, x.cols, x.stride);
+      Tensor oc(out.ptr<float>() + m0 * out.stride, DType::F32, n, out.cols, out.stride);
+      gemm_packed<WT>(xc, w, bias, oc, pool, accumulate);
+    }
+    return;
+  }
   const int64_t M = x.rows, N = w.rows, K = x.cols, steps = K / kChains, kv = steps * kChains;
   const int64_t ldw = w.stride * int64_t(dtype_size(WT));
   const float* xp = x.ptr<float>();
