@@ -209,6 +209,10 @@ def test_linear_rows_do_not_depend_on_the_batch(h, w_dtype):
         for n in (2, 3, 4, 7, 8, 13, 16, 17, 24, 31, 40):
             np.testing.assert_array_equal(np.asarray(h.linear(x[:n], w, None, w_dtype)), alone[:n],
                                           err_msg=f"{n} rows, k {k}")
+    # No columns (K = 0) at a prefill's row count: the bias alone.
+    b = rnd(rng, 5)
+    np.testing.assert_array_equal(np.asarray(h.linear(np.zeros((30, 0), np.float32), np.zeros((5, 0), np.float32),
+                                                      b, w_dtype)), np.broadcast_to(b, (30, 5)))
     # Past 1024 rows x is packed by chunks of 1024 rows: rows on either side of the seam, as alone.
     x = rnd(rng, 1100, 80)
     w = rnd(rng, 33, 80, scale=1.0 / math.sqrt(80))

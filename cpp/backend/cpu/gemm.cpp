@@ -151,6 +151,22 @@ void tile(const float* x, int64_t ldx, const char* w, int64_t ldw_bytes, int64_t
     }
 }
 
+// dst[k] = src[k] rounded to bf16 (nearest even; NaN stays NaN) as fp32, 16 at a time: f32_to_bf16's rule.
+inline void round_to_bf16(const float* src, int64_t n, float* dst) {
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    v16u u;
+    std::memcpy(&u, src + k, 64);
+    // All ones where |u| > inf (NaN), by the sign of inf - |u| (a shift: no 16-lane compare, which AVX2 builds scalarize).
+    const v16u nan = (v16u)((v16i)(0x7f800000u - (u & 0x7fffffffu)) >> 31);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v16u quiet = (u | 0x400000u) & 0xffff0000u;
+    u = (rounded & ~nan) | (quiet & nan);
+    std::memcpy(dst + k, &u, 64);
+  }
+  for (; k < n; ++k) dst[k] = bf16_to_f32(f32_to_bf16(src[k]));
+}
+
 // An x row for the AVX2 bf16 tiles (tile_bf16_pairs): each whole 16-element block as its 8 even elements,
 // then its 8 odd ones; the tail stays in place.
 inline void permute_x_pairs(float* row, int64_t K) {
@@ -693,21 +709,20 @@ void gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, Thr
   QRT_CHECK(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows,
             "cpu linear: shape mismatch x[", x.rows, ",", x.cols, "] w[", w.rows, ",", w.cols, "] out[",
             out.rows, ",", out.cols, "]");
-  const bool packed = kPackedPath && x.rows >= kPackedMinRows;
+  const bool packed = kPackedPath && x.rows >= kPackedMinRows && x.cols > 0;
   switch (w.dtype) {
     case DType::F32:
       if (packed) gemm_packed<DType::F32>(x, w, bias, out, pool, accumulate);
       else gemm_t<DType::F32>(x, w, bias, out, pool, accumulate);
       break;
-    case DType::BF16: {  // same products as the dot-product path: x rounded to bf16
-        std::vector<float> xr_mem;
+    case DType::BF16: {  // the products of bf16 values (ops.h): x rounded to bf16
+        thread_local std::vector<float> xr_mem;  // the caller's, kept
         float* xr = aligned_floats(xr_mem, size_t(x.rows * x.cols));
         const bool pairs = kAvx2Tiles && x.rows < 16;  // gemm_t widens 16-bit blocks from 16 rows on
-        for (int64_t r = 0; r < x.rows; ++r) {
-          for (int64_t k = 0; k < x.cols; ++k)
-            xr[r * x.cols + k] = bf16_to_f32(f32_to_bf16(x.ptr<float>()[r * x.stride + k]));
+        pool.for_static(x.rows, x.rows * x.cols > (1 << 16), [&](int64_t r) {
+          round_to_bf16(x.ptr<float>() + r * x.stride, x.cols, xr + r * x.cols);
           if (pairs) permute_x_pairs(xr + r * x.cols, x.cols);
-        }
+        });
         Tensor xt(xr, DType::F32, x.rows, x.cols);
         if (packed) gemm_packed<DType::BF16>(xt, w, bias, out, pool, accumulate);
         else gemm_t<DType::BF16>(xt, w, bias, out, pool, accumulate, pairs);

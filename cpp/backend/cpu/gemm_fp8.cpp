@@ -56,8 +56,11 @@ void gemm_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out
   check_fp8_linear(lw, "cpu linear");
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   if (M == 0 || N == 0) return;
-  // Prefill packs x once per block (gemm_packed): larger blocks there.
-  const int64_t block = M >= 24 ? 8 * kRowsPerBlock : kRowsPerBlock, nblocks = (N + block - 1) / block;
+  // Prefill packs x once per block (gemm_packed): larger blocks there, but at least 4 per thread where N allows.
+  const int64_t per_thread = ((N + 4 * pool.size() - 1) / (4 * pool.size()) + kRowsPerBlock - 1) / kRowsPerBlock *
+                             kRowsPerBlock;
+  const int64_t block = M >= 24 ? std::clamp(per_thread, kRowsPerBlock, 8 * kRowsPerBlock) : kRowsPerBlock;
+  const int64_t nblocks = (N + block - 1) / block;
   pool.for_dynamic(nblocks, M * N * K > (1 << 16), [&](int64_t nb, int) {
     thread_local ThreadPool serial(1);
     thread_local std::vector<float> wide;
