@@ -42,18 +42,14 @@ constexpr int NR = 4;  // rows of w per tile
 // A tile's dot products: up to 8 rows of x by up to 8 rows of w (every tile family fits).
 using TileResult = float[8][8];
 
-// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..8.
-template <typename F>
+// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..n.
+template <int n, typename F>
 void with_rows(int mr, F&& f) {
-  switch (mr) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
+  if constexpr (n > 1) {
+    if (mr == n) f(std::integral_constant<int, n>{});
+    else with_rows<n - 1>(mr, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
   }
 }
 
@@ -377,7 +373,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (WT == DType::BF16) {
     if (x_pairs) {
-      with_rows(mr, [&](auto rows) {
+      with_rows<8>(mr, [&](auto rows) {
         constexpr int rows_v = decltype(rows)::value;
         if constexpr (rows_v <= 4)
           with_avx2_cols<rows_v>(nr, [&](auto cols) {
@@ -389,7 +385,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
   }
 #endif
   (void)x_pairs;
-  with_rows(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
+  with_rows<8>(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
 }
 
 // x_pairs: x's rows are permuted for tile_bf16_pairs (bf16 weights, AVX2, fewer than 16 rows).
@@ -470,17 +466,6 @@ inline VecF vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 #endif
 constexpr int kChains = 16;
 constexpr int kPanelCols = kVecLanes * kTileVecs;
-
-// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..n.
-template <int n, typename F>
-void with_tile_rows(int mr, F&& f) {
-  if constexpr (n > 1) {
-    if (mr == n) f(std::integral_constant<int, n>{});
-    else with_tile_rows<n - 1>(mr, f);
-  } else {
-    f(std::integral_constant<int, 1>{});
-  }
-}
 
 // chains[l][i][j] (l < kChains, i < mr, j < kPanelCols): chain l of x tile row i by panel row j.
 template <int mr>
@@ -683,7 +668,7 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t n0 = p * kPanelCols;
         const float* panel = block + (p - p_begin) * panel_floats;
-        with_tile_rows<kTileRows>(mr, [&](auto rows) {
+        with_rows<kTileRows>(mr, [&](auto rows) {
           constexpr int r = decltype(rows)::value;
           tile_chains<r>(xs + t * tile_floats, panel, steps, chains);
           finish_chains<r>(chains, xp + m0 * x.stride, x.stride, panel + kv * kPanelCols, kv, K, res);
