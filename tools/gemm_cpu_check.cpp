@@ -5,6 +5,7 @@
 //   g++ -O3 -march=haswell -std=gnu++17 -Icpp tools/gemm_cpu_check.cpp cpp/backend/cpu/gemm.cpp \
 //       build/cpu/libqrt_base.a -o /tmp/gemm_cpu_check -lpthread -ldl && /tmp/gemm_cpu_check
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -29,15 +30,27 @@ int main() {
         else { uint16_t h = wdt == DType::BF16 ? f32_to_bf16(wf[i]) : f32_to_f16(wf[i]); std::memcpy(&w[i * 2], &h, 2); }
       }
       Tensor wt(w.data(), wdt, N, K);
-      std::vector<float> alone(M * N), all(M * N);
-      for (int i = 0; i < M; ++i) {
-        Tensor xt(x.data() + i * K, DType::F32, 1, K), ot(alone.data() + i * N, DType::F32, 1, N);
-        cpu::gemm(xt, wt, nullptr, ot, pool, false);
-      }
-      for (int n : {2, 3, 7, 8, 13, 16, 17, 24, 31, 40}) {
-        Tensor xt(x.data(), DType::F32, n, K), ot(all.data(), DType::F32, n, N);
-        cpu::gemm(xt, wt, nullptr, ot, pool, false);
-        if (std::memcmp(all.data(), alone.data(), size_t(n) * N * 4)) { ++bad; std::printf("differ: dt %d K %d N %d rows %d\n", int(wdt), K, N, n); }
+      std::vector<float> bias(N), init(M * N);
+      for (auto& v : bias) v = u(rng);
+      for (auto& v : init) v = u(rng);
+      Tensor bt(bias.data(), DType::F32, 1, N);
+      for (int variant = 0; variant < 3; ++variant) {  // plain; with a bias; accumulating into out
+        const Tensor* b = variant == 1 ? &bt : nullptr;
+        const bool acc = variant == 2;
+        std::vector<float> alone(init), all(init);
+        for (int i = 0; i < M; ++i) {
+          Tensor xt(x.data() + i * K, DType::F32, 1, K), ot(alone.data() + i * N, DType::F32, 1, N);
+          cpu::gemm(xt, wt, b, ot, pool, acc);
+        }
+        for (int n : {2, 3, 7, 8, 13, 16, 17, 24, 31, 40}) {
+          std::copy(init.begin(), init.end(), all.begin());
+          Tensor xt(x.data(), DType::F32, n, K), ot(all.data(), DType::F32, n, N);
+          cpu::gemm(xt, wt, b, ot, pool, acc);
+          if (std::memcmp(all.data(), alone.data(), size_t(n) * N * 4)) {
+            ++bad;
+            std::printf("differ: dt %d K %d N %d rows %d variant %d\n", int(wdt), K, N, n, variant);
+          }
+        }
       }
     }
   std::printf("%s\n", bad ? "FAIL" : "ok");

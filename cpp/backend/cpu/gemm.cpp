@@ -454,6 +454,8 @@ inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF vzero() { return _mm512_setzero_ps(); }
 inline VecF vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline VecF vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoreu(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 #else
 using VecF = __m256;
 constexpr int kVecLanes = 8, kTileRows = 6, kTileVecs = 2;  // 12 accumulators + 2 weights + 1 broadcast of 16
@@ -463,6 +465,8 @@ inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF vzero() { return _mm256_setzero_ps(); }
 inline VecF vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline VecF vloadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoreu(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 #endif
 constexpr int kChains = 16;
 constexpr int kPanelCols = kVecLanes * kTileVecs;
@@ -622,6 +626,29 @@ void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* pa
       tail[(k - kv) * kPanelCols + j] = j < rows ? load_w1<WT>(w + j * ldw_bytes, k) : 0.f;
 }
 
+// store_tile for a tile of whole panels, a vector at a time (the same additions): out = res (+ bias), or out += it.
+// bias32: the bias as fp32 (null: none).
+void store_panel_tile(const float* res, int mr, int nr, int64_t m0, int64_t n0, const float* bias32, Tensor& out,
+                      bool accumulate) {
+  for (int i = 0; i < mr; ++i) {
+    float* o = out.ptr<float>() + (m0 + i) * out.stride + n0;
+    const float* r = res + i * kPanelCols;
+    if (nr < kPanelCols) {
+      for (int j = 0; j < nr; ++j) {
+        const float v = bias32 ? r[j] + bias32[n0 + j] : r[j];
+        o[j] = accumulate ? o[j] + v : v;
+      }
+      continue;
+    }
+    for (int v = 0; v < kTileVecs; ++v) {
+      VecF t = vload(r + v * kVecLanes);
+      if (bias32) t = vadd(t, vloadu(bias32 + n0 + v * kVecLanes));
+      if (accumulate) t = vadd(vloadu(o + v * kVecLanes), t);
+      vstoreu(o + v * kVecLanes, t);
+    }
+  }
+}
+
 // x (fp32) @ w^T for many rows: x packed once (tiles in parallel), then threads take blocks of panels, pack
 // them, and run every x tile over the block (a tile's chains stay in L1 while the block's panels stream from L2).
 template <DType WT>
@@ -646,6 +673,12 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
   float* xs = aligned_floats(xs_mem, size_t(tiles * tile_floats));
   const bool par = M * N * K > (1 << 16);
   pool.for_static(tiles, par, [&](int64_t t) { pack_x_tile(xp, x.stride, M, t * kTileRows, steps, xs + t * tile_floats); });
+  thread_local std::vector<float> bias_mem;
+  if (bias) {
+    bias_mem.resize(size_t(N));
+    for (int64_t n = 0; n < N; ++n) bias_mem[size_t(n)] = load_f32(*bias, 0, n);
+  }
+  const float* bias32 = bias ? bias_mem.data() : nullptr;
   // Panels per block: the block within ~1 MB of L2, and at least 4 blocks per thread where N allows.
   const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
   const int64_t by_cache = std::max<int64_t>(1, (int64_t(1) << 20) / (panel_floats * 4));
@@ -673,7 +706,7 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
           tile_chains<r>(xs + t * tile_floats, panel, steps, chains);
           finish_chains<r>(chains, xp + m0 * x.stride, x.stride, panel + kv * kPanelCols, kv, K, res);
         });
-        store_tile(res, kPanelCols, mr, int(std::min<int64_t>(kPanelCols, N - n0)), m0, n0, bias, out, accumulate);
+        store_panel_tile(res, mr, int(std::min<int64_t>(kPanelCols, N - n0)), m0, n0, bias32, out, accumulate);
       }
     }
   });
