@@ -741,3 +741,18 @@ def test_finish_qkv(h, hq, hkv, hd, rot, norm):
     ref_v[kv_rows] = x[:, hq + hkv:].reshape(T, -1)
     close(kco, ref_k, atol=2e-5)
     close(vco, ref_v, atol=2e-5)
+
+
+def test_worker_threads_take_the_callers_denormal_mode(h):
+    """A host that flushes denormals (torch.set_flush_denormal, after the backend's threads started) gets the same
+    results from every thread: products in the denormal range flush to zero in each output column, not only in the
+    columns the calling thread computed."""
+    x = np.full((4, 256), 1e-20, np.float32)
+    w = np.full((256, 256), 1e-20, np.float32)  # products 1e-40: denormal
+    assert np.all(np.asarray(h.linear(x, w, None, "float32")) > 0)
+    assert torch.set_flush_denormal(True)
+    try:
+        flushed = np.asarray(h.linear(x, w, None, "float32"))
+    finally:
+        torch.set_flush_denormal(False)
+    np.testing.assert_array_equal(flushed, np.zeros_like(flushed))

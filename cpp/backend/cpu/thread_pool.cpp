@@ -75,6 +75,9 @@ void ThreadPool::work(int t) {
     }
     seen = e;
     if (stop_.load()) return;
+#if defined(__x86_64__) || defined(__i386__)
+    if (_mm_getcsr() != csr_) _mm_setcsr(csr_);
+#endif
     try {
       (*job_)(t, size());
     } catch (...) {  // (out of memory in a row's buffers) handed to the caller, not std::terminate
@@ -91,6 +94,9 @@ void ThreadPool::run(bool parallel, const std::function<void(int, int)>& fn) {
     return;
   }
   job_ = &fn;
+#if defined(__x86_64__) || defined(__i386__)
+  csr_ = _mm_getcsr();
+#endif
   busy_.store(int(workers_.size()), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);  // a worker about to sleep either sees the new epoch or is woken

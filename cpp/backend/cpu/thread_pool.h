@@ -33,7 +33,7 @@ class ThreadPool {
 
   // fn(t, T) for t = 0 .. T - 1 with T = size() when parallel (t = 0 on the calling thread), else fn(0, 1)
   // alone. Returns when every call has returned, then rethrows the first exception one threw (the calling
-  // thread's first). One caller at a time.
+  // thread's first). One caller at a time. Workers run fn under the caller's floating-point control (csr_).
   void run(bool parallel, const std::function<void(int, int)>& fn);
 
   // body(i) for i in [0, n): thread t takes the t-th of size() contiguous ranges (OpenMP's static schedule).
@@ -72,6 +72,9 @@ class ThreadPool {
   std::atomic<int> busy_{0};        // workers still in the current job
   std::atomic<bool> stop_{false};
   const std::function<void(int, int)>* job_ = nullptr;
+  // The caller's floating-point control (x86 MXCSR: rounding, flush-to-zero, denormals-are-zero), which each worker
+  // takes for the job: a host that flushes denormals (torch.set_flush_denormal) gets the same bits from every thread.
+  uint32_t csr_ = 0;
   std::mutex err_mu_;
   std::exception_ptr worker_err_;  // the first exception a worker's call threw in the current job
 };
