@@ -140,7 +140,8 @@ inline float lane_sum(v16f v) {
 }
 
 // exp(x) for x <= 0 in 16 lanes: 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2, a degree-6 polynomial
-// (relative error ~2e-7). Deterministic on every machine, vectorized without -ffast-math.
+// (relative error ~2e-7), vectorized without -ffast-math. The same bits on every build with FMA (the multiply-adds
+// fuse); a build without FMA rounds them twice.
 template <typename VF, typename VI>
 inline VF exp_lanes(VF x) {
   const VF lim = VF{} - 87.0f;  // keeps 2^n a normal number
