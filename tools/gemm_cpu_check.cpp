@@ -18,7 +18,8 @@ int main() {
   std::uniform_real_distribution<float> u(-1, 1);
   int bad = 0;
   for (DType wdt : {DType::F32, DType::BF16, DType::F16})
-    for (auto [K, N] : std::vector<std::pair<int, int>>{{768, 50}, {100, 37}, {2048, 19}, {5, 7}, {257, 33}, {64, 100}}) {
+    for (auto [K, N] :
+         std::vector<std::pair<int, int>>{{768, 50}, {100, 37}, {2048, 19}, {5, 7}, {257, 33}, {64, 100}}) {
       int M = 40;
       std::vector<float> x(M * K), wf(N * K);
       for (auto& v : x) v = u(rng);
@@ -27,7 +28,10 @@ int main() {
       std::vector<char> w(N * K * esz);
       for (int i = 0; i < N * K; ++i) {
         if (wdt == DType::F32) std::memcpy(&w[i * 4], &wf[i], 4);
-        else { uint16_t h = wdt == DType::BF16 ? f32_to_bf16(wf[i]) : f32_to_f16(wf[i]); std::memcpy(&w[i * 2], &h, 2); }
+        else {
+          const uint16_t h = wdt == DType::BF16 ? f32_to_bf16(wf[i]) : f32_to_f16(wf[i]);
+          std::memcpy(&w[i * 2], &h, 2);
+        }
       }
       Tensor wt(w.data(), wdt, N, K);
       std::vector<float> bias(N), init(M * N);

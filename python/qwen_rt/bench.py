@@ -479,9 +479,6 @@ def _phase_cfg(args) -> dict:
     return cfg
 
 
-PEER_TYPES = ("F32", "BF16", "F16", "Q8_0")  # the GGUF types the peer converts
-
-
 def run_cpu_phases(args) -> int:
     """qwen_rt alone, by phase, on random weights drawn from the config: prefill of one --prefill-len prompt
     (tokens/s, and GFLOP/s of its linear layers and attention), and decode steps at each batch size (the time of 72 generated
@@ -518,7 +515,8 @@ def run_cpu_phases(args) -> int:
     gens, peers = {}, {}
     try:
         # With a peer: real checkpoints (the same random weights for both engines), else qwen_rt's dummy weights.
-        files = llama.write_models(cfg, args.seed, workdir, converter, log) if peer else {}
+        peer_types = ("F32", "BF16", "F16") + (("Q8_0",) if "fp8" in dtypes else ())
+        files = llama.write_models(cfg, args.seed, workdir, converter, log, peer_types) if peer else {}
         for dtype in dtypes:  # "fp8": the bf16 checkpoint quantized at load (block-128 FP8 linears)
             src = (files["float32"] if dtype == "float32" else files["bfloat16"]) if peer else folder
             gens[dtype] = Generator(str(src), device="cpu", dtype="bfloat16" if dtype == "fp8" else dtype,
@@ -529,7 +527,7 @@ def run_cpu_phases(args) -> int:
         if peer:
             n_seq = max(batch_sizes)
             n_ctx = n_seq * ((max(P, short + 64) + 16 + 255) // 256 * 256)
-            for t in PEER_TYPES[:3] + (("Q8_0",) if "fp8" in dtypes else ()):
+            for t in peer_types:
                 peers[t] = llama.Peer(files[t], threads, n_ctx, n_seq, n_batch=512)
         prompt = rng.integers(3, cfg["vocab_size"], size=P).tolist()
         shorts = rng.integers(3, cfg["vocab_size"], size=(max(batch_sizes), short)).tolist()

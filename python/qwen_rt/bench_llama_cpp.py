@@ -75,9 +75,10 @@ def _write_tokenizer(folder: Path, vocab: int) -> None:
                                                   '"eos_token": "<|endoftext|>"}')
 
 
-def write_models(cfg: dict, seed: int, workdir: Path, converter: Path, log) -> dict[str, Path]:
-    """The random Qwen3 of cfg (torch seed) as transformers checkpoints {"float32", "bfloat16"} and GGUF files
-    {"F32", "BF16", "F16", "Q8_0"} (F16 and Q8_0 from the float32 checkpoint)."""
+def write_models(cfg: dict, seed: int, workdir: Path, converter: Path, log, types) -> dict[str, Path]:
+    """The random Qwen3 of cfg (torch seed) as transformers checkpoints {"float32", "bfloat16"} and GGUF files of
+    the given types among "F32", "BF16", "F16", "Q8_0" (BF16 from the bfloat16 checkpoint, the others from the
+    float32 one)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
@@ -89,7 +90,8 @@ def write_models(cfg: dict, seed: int, workdir: Path, converter: Path, log) -> d
         model.to(dt).save_pretrained(folder, safe_serialization=True)
         _write_tokenizer(folder, cfg["vocab_size"])
         out[name] = folder
-    for src, t in (("float32", "F32"), ("bfloat16", "BF16"), ("float32", "F16"), ("float32", "Q8_0")):
+    for t in types:
+        src = "bfloat16" if t == "BF16" else "float32"
         dst = workdir / f"m-{t}.gguf"
         log(f"  converting to GGUF {t} ({converter})")
         r = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(out[src]), "--outtype", t.lower(),

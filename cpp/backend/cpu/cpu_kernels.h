@@ -17,7 +17,6 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef _Float16 v16f16 __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 // Half-width lanes: without AVX-512, GCC scalarizes some 16-lane operations (float16 widening, selects against a
 // bound), so exp16 and f8x16_over_256 run on two 8-lane halves there (the same values lane by lane).
@@ -30,27 +29,6 @@ typedef uint8_t v8b __attribute__((vector_size(8)));
 
 // IEEE half bit patterns widened to fp32 (exact), by F16C where present: GCC converts a vector of _Float16 one lane
 // at a time, even with AVX512-FP16.
-inline v16f half_to_f32(v16h bits) {
-#if defined(__AVX512F__)
-  __m256i b;
-  std::memcpy(&b, &bits, 32);
-  const __m512 f = _mm512_cvtph_ps(b);
-  v16f v;
-  std::memcpy(&v, &f, 64);
-  return v;
-#elif defined(__F16C__)
-  __m128i b[2];
-  std::memcpy(b, &bits, 32);
-  const __m256 f[2] = {_mm256_cvtph_ps(b[0]), _mm256_cvtph_ps(b[1])};
-  v16f v;
-  std::memcpy(&v, f, 64);
-  return v;
-#else
-  v16f16 h;
-  std::memcpy(&h, &bits, 32);
-  return __builtin_convertvector(h, v16f);
-#endif
-}
 inline v8f half_to_f32(v8h bits) {
 #if defined(__F16C__)
   __m128i b;
@@ -63,6 +41,23 @@ inline v8f half_to_f32(v8h bits) {
   v8f16 h;
   std::memcpy(&h, &bits, 16);
   return __builtin_convertvector(h, v8f);
+#endif
+}
+inline v16f half_to_f32(v16h bits) {
+#if defined(__AVX512F__)
+  __m256i b;
+  std::memcpy(&b, &bits, 32);
+  const __m512 f = _mm512_cvtph_ps(b);
+  v16f v;
+  std::memcpy(&v, &f, 64);
+  return v;
+#else
+  v8h h[2];
+  std::memcpy(h, &bits, 32);
+  const v8f f[2] = {half_to_f32(h[0]), half_to_f32(h[1])};
+  v16f v;
+  std::memcpy(&v, f, 64);
+  return v;
 #endif
 }
 

@@ -153,7 +153,7 @@ inline void round_to_bf16(const float* src, int64_t n, float* dst) {
   for (; k + kLanes <= n; k += kLanes) {
     v16u u;
     std::memcpy(&u, src + k, 64);
-    // All ones where |u| > inf (NaN), by the sign of inf - |u| (a shift: no 16-lane compare, which AVX2 builds scalarize).
+    // All ones where |u| > inf (NaN), by the sign of inf - |u| (a shift: AVX2 builds scalarize a 16-lane compare).
     const v16u nan = (v16u)((v16i)(0x7f800000u - (u & 0x7fffffffu)) >> 31);
     const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     const v16u quiet = (u | 0x400000u) & 0xffff0000u;
@@ -438,9 +438,9 @@ void gemm_t(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, T
 // by fma; the build's lane sum adds the chains, then the tail past K / 16 * 16 adds by fma in K order. Here chain l
 // of a tile of kTileRows x rows by a panel of kPanelCols weight rows is an outer product: per step, one broadcast
 // x element per row against kTileVecs weight vectors, each vector element one output's chain, so the register
-// tile needs no lane sum (per step: kTileVecs loads and kTileRows broadcasts for kTileRows x kTileVecs fma's). The chains go to scratch and the lane sum's tree adds them
-// elementwise: every output gets the few-row tiles' operations in their order, bit-identical; only the data
-// layout and the register blocking differ. This runs at 1.45x the dot-product tiles' rate on a Sapphire Rapids
+// tile needs no lane sum (per step: kTileVecs loads and kTileRows broadcasts for kTileRows x kTileVecs fma's). The
+// chains go to scratch and the lane sum's tree adds them elementwise: every output gets the few-row tiles'
+// operations in their order, bit-identical; only the data layout and the register blocking differ. This runs at 1.45x the dot-product tiles' rate on a Sapphire Rapids
 // core (issue 35's prefill GEMMs, tools/gemm_cpu_bench.cpp).
 // Packed layouts: x tiles [chain][step][kTileRows], panels [chain][step][kPanelCols] (16-bit weights widened
 // exactly), then the panel's tail [K - K / 16 * 16][kPanelCols]; rows past the matrix are zeros, their outputs
@@ -617,7 +617,7 @@ template <DType WT>
 void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* panel) {
   const int64_t steps = K / kChains, kv = steps * kChains;
   for (int j0 = 0; j0 < kPanelCols; j0 += 16)
-    pack_rows<std::min(16, kPanelCols)>([&](int j, int64_t s) {
+    pack_rows<16>([&](int j, int64_t s) {
       return j0 + j < rows ? load_w<WT>(w + (j0 + j) * ldw_bytes, s * kChains) : v16f{};
     }, steps, panel + j0, kPanelCols);
   float* tail = panel + kv * kPanelCols;
@@ -626,20 +626,14 @@ void pack_panel(const char* w, int64_t ldw_bytes, int rows, int64_t K, float* pa
       tail[(k - kv) * kPanelCols + j] = j < rows ? load_w1<WT>(w + j * ldw_bytes, k) : 0.f;
 }
 
-// store_tile for a tile of whole panels, a vector at a time (the same additions): out = res (+ bias), or out += it.
-// bias32: the bias as fp32 (null: none).
-void store_panel_tile(const float* res, int mr, int nr, int64_t m0, int64_t n0, const float* bias32, Tensor& out,
-                      bool accumulate) {
+// store_tile for a tile of a panel, whole panels a vector at a time (the same additions): out = res (+ bias), or
+// out += it. bias32: the bias as fp32 (null where bias is).
+void store_panel_tile(const float* res, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
+                      const float* bias32, Tensor& out, bool accumulate) {
+  if (nr < kPanelCols) return store_tile(res, kPanelCols, mr, nr, m0, n0, bias, out, accumulate);
   for (int i = 0; i < mr; ++i) {
     float* o = out.ptr<float>() + (m0 + i) * out.stride + n0;
     const float* r = res + i * kPanelCols;
-    if (nr < kPanelCols) {
-      for (int j = 0; j < nr; ++j) {
-        const float v = bias32 ? r[j] + bias32[n0 + j] : r[j];
-        o[j] = accumulate ? o[j] + v : v;
-      }
-      continue;
-    }
     for (int v = 0; v < kTileVecs; ++v) {
       VecF t = vload(r + v * kVecLanes);
       if (bias32) t = vadd(t, vloadu(bias32 + n0 + v * kVecLanes));
@@ -672,7 +666,8 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
   thread_local std::vector<float> xs_mem;  // the caller's, kept: no page faults on every call
   float* xs = aligned_floats(xs_mem, size_t(tiles * tile_floats));
   const bool par = M * N * K > (1 << 16);
-  pool.for_static(tiles, par, [&](int64_t t) { pack_x_tile(xp, x.stride, M, t * kTileRows, steps, xs + t * tile_floats); });
+  pool.for_static(tiles, par,
+                  [&](int64_t t) { pack_x_tile(xp, x.stride, M, t * kTileRows, steps, xs + t * tile_floats); });
   thread_local std::vector<float> bias_mem;
   if (bias) {
     bias_mem.resize(size_t(N));
@@ -706,7 +701,7 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
           tile_chains<r>(xs + t * tile_floats, panel, steps, chains);
           finish_chains<r>(chains, xp + m0 * x.stride, x.stride, panel + kv * kPanelCols, kv, K, res);
         });
-        store_panel_tile(res, mr, int(std::min<int64_t>(kPanelCols, N - n0)), m0, n0, bias32, out, accumulate);
+        store_panel_tile(res, mr, int(std::min<int64_t>(kPanelCols, N - n0)), m0, n0, bias, bias32, out, accumulate);
       }
     }
   });

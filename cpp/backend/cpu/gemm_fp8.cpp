@@ -70,7 +70,8 @@ void gemm_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out
     const Tensor wt(wide.data(), DType::F32, n1 - n0, K);
     Tensor ot(out.ptr<float>() + n0, DType::F32, M, n1 - n0, out.stride);
     Tensor bt;
-    if (bias) bt = Tensor(static_cast<char*>(bias->data) + n0 * int64_t(dtype_size(bias->dtype)), bias->dtype, 1, n1 - n0);
+    if (bias)
+      bt = Tensor(static_cast<char*>(bias->data) + n0 * int64_t(dtype_size(bias->dtype)), bias->dtype, 1, n1 - n0);
     gemm(x, wt, bias ? &bt : nullptr, ot, serial, accumulate);
   });
 }
