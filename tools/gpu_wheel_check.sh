@@ -5,7 +5,8 @@
 # nvidia-cublas / nvidia-nccl-cu13 that torch brought) through a .pth file, so the install needs no index; the
 # plugin then finds cuBLASLt and NCCL where Python finds those packages (qwen_rt/_native_libraries.py).
 # Logs under $OUT.
-#   tools/gpu_wheel_check.sh [pytest args...]       env: WHEEL=<a built wheel>, TEST_WORKERS (default 4)
+#   tools/gpu_wheel_check.sh [pytest args...]       env: WHEEL=<a built wheel>, TEST_WORKERS (default 4),
+#     BENCH_ARGS="--parts ..." (then `qwen-rt bench gpu` runs from the wheel's venv; record in $OUT/bench.jsonl)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/qwen_rt_out}
@@ -58,4 +59,10 @@ env -u LD_LIBRARY_PATH -u CUDA_HOME -u CUDA_PATH -u CUDACXX PATH="$VENV/bin:$CLE
   { timeout ${TEST_TIMEOUT:-400} python -m pytest -m "cuda and not alone" -n ${TEST_WORKERS:-4} -q -p no:cacheprovider "$@"
     timeout 120 python -m pytest -m "cuda and alone" -q -p no:cacheprovider "$@"; } 2>&1 | tee "'"$OUT"'/pytest_wheel.log" | tail -30
   echo "tests: $(( $(date +%s) - t0 )) s"
+  if [ -n "${BENCH_ARGS:-}" ]; then
+    t0=$(date +%s)
+    timeout ${BENCH_TIMEOUT:-400} python -m qwen_rt.bench gpu $BENCH_ARGS --json "'"$OUT"'/bench.jsonl" 2>&1 \
+      | tee "'"$OUT"'/bench.log" | tail -60
+    echo "bench: $(( $(date +%s) - t0 )) s"
+  fi
 ' _ "$@"
