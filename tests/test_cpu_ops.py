@@ -354,6 +354,23 @@ def test_attention(h, qh, kvh, hd, ps):
         close(out, ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("qh,kvh,hd", [(12, 4, 64), (4, 4, 32), (6, 1, 24)])
+def test_attention_row_does_not_depend_on_its_step(h, qh, kvh, hd):
+    """Long contexts (past the kernel's blocks of keys and of query rows): each row's output equals the reference,
+    and is bit-identical to the same row computed alone as a decode step over the same cache."""
+    rng = np.random.default_rng(5)
+    ps, scale = 16, 1.0 / math.sqrt(hd)
+    case = make_attn_case(rng, [(300, 700), (1, 333), (40, 40)], ps, qh, kvh, hd)
+    q, k, v, kc, vc, q_start, ctx, pt, kv_rows = case
+    out, kc_out, vc_out = h.attention(q, k, v, kc, vc, q_start, ctx, pt, kv_rows, ps, qh, kvh, hd, scale)
+    ref, _, _ = ref_attention(*case, ps, qh, kvh, hd, scale)
+    close(out, ref, atol=2e-5)
+    for r in (0, 1, 15, 16, 17, 127, 128, 129, 255, 299):  # rows of the first sequence at positions 400 + r
+        one = h.attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc_out, vc_out, np.array([0, 1], np.int32),
+                          np.array([401 + r], np.int32), pt[:1], kv_rows[r:r + 1], ps, qh, kvh, hd, scale)[0]
+        np.testing.assert_array_equal(np.asarray(one), np.asarray(out)[r:r + 1])
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("qh,kvh,hd", [(4, 2, 24), (8, 2, 64), (2, 1, 128)])
 def test_attention_16bit_cache(h, kv_dtype, qh, kvh, hd):

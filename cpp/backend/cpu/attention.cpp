@@ -1,13 +1,15 @@
-// Causal paged attention on the CPU, fp32. A task is a query row and a run of KV heads. Results do not depend
-// on the batch (each task is independent). With AVX-512 or AVX2 + FMA (head_dim a multiple of the vector width,
-// at most 16 vectors), the query heads of a KV head take their scores kW keys at a time (one lane sum per block of
-// keys, not per key), sharing each key's loads, and their weighted sums of V rows in registers, several heads'
-// chains interleaved: one 512-token prefill of issue 35's layer (12 / 4 heads of 64) went from 18-20 to 9-11 ms
-// (AVX-512) and from 40-43 to 19-21 ms (AVX2 build) on one core (tools/attention_cpu_bench.cpp; the AVX-512
-// results are bit-identical to the per-head code before). Otherwise the query heads of a GQA group share each K/V
-// row load. The cache holds fp32, or bf16 / fp16 rows (16-bit weights: the KV dtype of a bf16 model, half the
-// bytes a step reads), converted to fp32 as they are read, or fp8 rows with a scale per (row, kv head): a key's
-// score is (q . k8) * scale * k_scale, and a value's weight p * v_scale multiplies its e4m3 values.
+// Causal paged attention on the CPU, fp32. A task is a block of one sequence's query rows for one KV head, taken
+// a block of keys at a time so that its rows share each block of K and V rows while it is in the core's caches.
+// A row's arithmetic is the same in any block, step or batch (tests/test_cpu_ops.py checks a row of a long chunk
+// against the same row alone). With AVX-512 or AVX2 + FMA (head_dim a multiple of the vector width, at most 16
+// vectors), the query heads of a KV head take their scores kW keys at a time (one lane sum per block of keys, not
+// per key), sharing each key's loads, and their weighted sums of V rows in registers, several heads' chains
+// interleaved. One causal prefill of issue 35's layer (12 / 4 heads of 64, tools/attention_cpu_bench.cpp, one
+// core): 512 tokens 9.6 ms AVX-512 / 11.6 ms AVX2 (the rows alone, each reading its whole context: 10.0 / 13.8);
+// 2,048 tokens 156 / 183 ms (248 / 338). The cache holds fp32, or bf16 / fp16 rows (16-bit weights: the KV dtype
+// of a bf16 model, half the bytes a step reads), converted to fp32 as they are read, or fp8 rows with a scale per
+// (row, kv head): a key's score is (q . k8) * scale * k_scale, and a value's weight p * v_scale multiplies its
+// e4m3 values.
 
 #include <algorithm>
 #include <atomic>
@@ -108,7 +110,7 @@ inline AV av_fma(AV a, AV b, AV c) { return _mm512_fmadd_ps(a, b, c); }
 inline void av_store(float* p, AV v) { _mm512_storeu_ps(p, v); }
 inline AV sum_lanes(const AV (&v)[kW]) { return sum_lanes16(v); }
 inline void av_store_first(float* p, AV v, int m) { _mm512_mask_storeu_ps(p, __mmask16((1u << m) - 1), v); }
-constexpr int kAccRegs = 16;  // accumulators of a weighted sum's pass (of 32 registers)
+constexpr int kVecRegs = 32;
 #else
 using AV = __m256;
 constexpr int kW = 8;
@@ -142,10 +144,18 @@ inline void av_store_first(float* p, AV v, int m) {
   _mm256_store_ps(t, v);
   std::memcpy(p, t, sizeof(float) * m);
 }
-constexpr int kAccRegs = 8;  // (of 16 registers)
+constexpr int kVecRegs = 16;
 #endif
 constexpr bool kVectorPath = true;
 constexpr int kScoreHeads = 4;  // query heads whose scores share each key's loads
+// Keys whose score chains run interleaved with gn heads': a power of two dividing kW, gn * KJ chains at most
+// kChainRegs (with KJ key vectors, they fit the registers).
+constexpr int kChainRegs = kW == 16 ? 12 : 8;
+constexpr int chain_keys(int gn) {
+  int kj = kW;
+  while (kj > 1 && gn * kj > kChainRegs) kj /= 2;
+  return kj;
+}
 
 // Calls f(std::integral_constant<int, c>) for a run-time c in 1..N.
 template <int N, typename F>
@@ -158,56 +168,72 @@ void with_const(int c, F&& f) {
 
 // scores[g * ld + p] = scale * q_g . k(p) for the query heads g < G of one KV head (q_g at q + g * C * kW) and the
 // keys p < n, kW keys at a time: each key's C vectors of products (a product, then fused in order) summed by
-// sum_lanes, kScoreHeads heads sharing each key's loads (a key past n in a block repeats the block's first; its
-// score is dropped). A head's scores take the same operations whatever G. key(p) points at k(p) of kind R.
+// sum_lanes (a key past n in a block repeats the block's first; its score is dropped). Within a block, the chains
+// of gn heads x KJ keys run interleaved (FMA latency, not a single chain, sets the pace otherwise) and land in
+// prod; the arithmetic of a score is the same whatever G, gn and KJ. key(p) points at k(p) of kind R.
 template <int C, typename R, typename KeyRow>
-void group_scores(R kind, const float* q, int G, int n, float scale, KeyRow key, float* scores, int64_t ld) {
+void group_scores(R kind, const float* q, int G, int p_begin, int n, float scale, KeyRow key, float* scores,
+                  int64_t ld) {
   for (int g0 = 0; g0 < G; g0 += kScoreHeads) {
     with_const<kScoreHeads>(std::min(kScoreHeads, G - g0), [&](auto heads) {
       constexpr int gn = decltype(heads)::value;
+      constexpr int KJ = chain_keys(gn);
       const float* qg = q + int64_t(g0) * C * kW;
-      for (int p0 = 0; p0 < n; p0 += kW) {
-        AV v[gn][kW];
-        for (int j = 0; j < kW; ++j) {
-          const auto* k = key(p0 + j < n ? p0 + j : p0);
-          AV kc[C];
-          for (int c = 0; c < C; ++c) kc[c] = av_load(kind, k + c * kW);
-          for (int g = 0; g < gn; ++g) {
-            AV a = av_mul(av_loadf(qg + g * C * kW), kc[0]);
-            for (int c = 1; c < C; ++c) a = av_fma(av_loadf(qg + (g * C + c) * kW), kc[c], a);
-            v[g][j] = a;
+      AV prod[gn][kW];
+      for (int p0 = p_begin; p0 < n; p0 += kW) {
+        for (int j0 = 0; j0 < kW; j0 += KJ) {
+          const typename R::E* k[KJ];
+          for (int j = 0; j < KJ; ++j) k[j] = key(p0 + j0 + j < n ? p0 + j0 + j : p0);
+          AV a[gn][KJ];
+          for (int c = 0; c < C; ++c) {
+            AV kc[KJ];
+            for (int j = 0; j < KJ; ++j) kc[j] = av_load(kind, k[j] + c * kW);
+            for (int g = 0; g < gn; ++g) {
+              const AV qc = av_loadf(qg + (g * C + c) * kW);
+              for (int j = 0; j < KJ; ++j) a[g][j] = c == 0 ? av_mul(qc, kc[j]) : av_fma(qc, kc[j], a[g][j]);
+            }
           }
+          for (int g = 0; g < gn; ++g)
+            for (int j = 0; j < KJ; ++j) prod[g][j0 + j] = a[g][j];
         }
         for (int g = 0; g < gn; ++g)
-          av_store_first(scores + (g0 + g) * ld + p0, av_mul(sum_lanes(v[g]), av_set1(scale)), std::min(kW, n - p0));
+          av_store_first(scores + (g0 + g) * ld + p0, av_mul(sum_lanes(prod[g]), av_set1(scale)),
+                         std::min(kW, n - p0));
       }
     });
   }
 }
 
-// out_g[0, C * kW) = sum over p < n of w_g[p] * v(p) (w_g at w + g * ld) for the heads g < G, accumulated in p
-// order in registers, as many heads at a time as kAccRegs accumulators hold (their chains interleave; a head alone
-// waits on its C chains). val(p) points at v(p) of kind R.
+// out_g[0, C * kW) += sum over p_begin <= p < n of w_g[p] * v(p) (w_g at w + g * ld) for the heads g < G,
+// accumulated in p order in registers (from and back to out, so a sum taken over consecutive key ranges equals one
+// taken at once): up to 4 heads at a time and as many of a row's C vectors as the registers hold (their chains
+// interleave; each element's sum is the same whatever the split). val(p) points at v(p) of kind R.
 template <int C, typename R, typename ValRow>
-void group_weighted_sum(R kind, const float* w, int64_t ld, int G, int n, ValRow val, float* out) {
-  constexpr int per_pass = std::max(1, std::min(4, kAccRegs / C));
-  for (int g0 = 0; g0 < G; g0 += per_pass) {
-    with_const<per_pass>(std::min(per_pass, G - g0), [&](auto heads) {
+void group_weighted_sum(R kind, const float* w, int64_t ld, int G, int p_begin, int n, ValRow val, float* out) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    with_const<4>(std::min(4, G - g0), [&](auto heads) {
       constexpr int gn = decltype(heads)::value;
-      AV acc[gn][C];
-      for (int g = 0; g < gn; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = av_zero();
-      for (int p = 0; p < n; ++p) {
-        const auto* v = val(p);
-        AV vc[C];
-        for (int c = 0; c < C; ++c) vc[c] = av_load(kind, v + c * kW);
-        for (int g = 0; g < gn; ++g) {
-          const AV wp = av_set1(w[(g0 + g) * ld + p]);
-          for (int c = 0; c < C; ++c) acc[g][c] = av_fma(wp, vc[c], acc[g][c]);
-        }
+      // Vectors of a row per pass: gn x CC accumulators, CC values and a weight in the registers, C split evenly.
+      constexpr int most = std::max(1, (kVecRegs - 1) / (gn + 1)), CC = (C + (C + most - 1) / most - 1) / ((C + most - 1) / most);
+      for (int c0 = 0; c0 < C; c0 += CC) {
+        with_const<CC>(std::min(CC, C - c0), [&](auto cols) {
+          constexpr int cn = decltype(cols)::value;
+          AV acc[gn][cn];
+          for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < cn; ++c) acc[g][c] = av_loadf(out + ((g0 + g) * C + c0 + c) * kW);
+          for (int p = p_begin; p < n; ++p) {
+            const auto* v = val(p) + c0 * kW;
+            AV vc[cn];
+            for (int c = 0; c < cn; ++c) vc[c] = av_load(kind, v + c * kW);
+            for (int g = 0; g < gn; ++g) {
+              const AV wp = av_set1(w[(g0 + g) * ld + p]);
+              for (int c = 0; c < cn; ++c) acc[g][c] = av_fma(wp, vc[c], acc[g][c]);
+            }
+          }
+          for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < cn; ++c) av_store(out + ((g0 + g) * C + c0 + c) * kW, acc[g][c]);
+        });
       }
-      for (int g = 0; g < gn; ++g)
-        for (int c = 0; c < C; ++c) av_store(out + ((g0 + g) * C + c) * kW, acc[g][c]);
     });
   }
 }
@@ -215,6 +241,14 @@ void group_weighted_sum(R kind, const float* w, int64_t ld, int G, int n, ValRow
 constexpr bool kVectorPath = false;
 constexpr int kW = 16;
 #endif
+
+// Rows of one task: a block of a sequence's query rows for one KV head, taken kKeyBlock keys at a time so that the
+// rows share each block of K and V rows while it is in the core's caches (a row reading all of a long context
+// alone fetched it from L3 or memory once per row). A row's scores, softmax and weighted sums take the same
+// operations in any block, so results do not depend on the blocking or the batch.
+constexpr int kRowBlock = 16;
+constexpr int kKeyBlock = 128;          // a multiple of kW
+constexpr int64_t kScoreFloats = 1 << 18;  // a task's scores at most (1 MiB), unless one row needs more
 
 template <typename R>
 void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& s,
@@ -226,97 +260,129 @@ void attention_rows(R kind, const Tensor& q, const KvLayer& cache, const AttnBat
   const E* vc = static_cast<const E*>(cache.v);
   const E* host_kc = static_cast<const E*>(cache.host_k);
   const E* host_vc = static_cast<const E*>(cache.host_v);
-  std::vector<int> row_seq(b.num_tokens);
-  for (int si = 0; si < b.num_seqs; ++si)
-    for (int r = b.q_start[si]; r < b.q_start[si + 1]; ++r) row_seq[r] = si;
-  // A task is a query row and a run of KV heads: whole rows when there are enough of them (each
-  // cache row is then taken by one task), single KV heads otherwise.
-  const int heads_per_task = b.num_tokens >= 2 * pool.size() && !b.head_tables ? Hkv : 1;
-  const int tasks_per_row = Hkv / heads_per_task;
-  const int64_t tasks = int64_t(b.num_tokens) * tasks_per_row;
-  const bool par = tasks > 1 && int64_t(b.max_ctx_len) * b.num_tokens * s.q_heads > 4096;
-  std::atomic<int64_t> next{0};  // tasks taken one at a time by the next free thread
+  struct Task {
+    int seq, kh, r0, rows;
+  };
+  std::vector<Task> tasks;
+  int64_t scratch = 1, work = 0;  // scores per task at most; score count of the step
+  for (int si = 0; si < b.num_seqs; ++si) {
+    const int q0 = b.q_start[si], q_len = b.q_start[si + 1] - q0;
+    for (int kh = 0; kh < Hkv; ++kh) {
+      const int64_t list = b.head_tables ? int64_t(si) * Hkv + kh : si;
+      const int n_last = b.ctx_len[list];  // keys of the sequence's last row
+      const int rows = int(std::clamp<int64_t>(kScoreFloats / (int64_t(group) * n_last), 1, kRowBlock));
+      for (int r0 = q0; r0 < q0 + q_len; r0 += rows) {
+        tasks.push_back({si, kh, r0, std::min(rows, q0 + q_len - r0)});
+        scratch = std::max(scratch, int64_t(tasks.back().rows) * group * (n_last + kW));
+      }
+      work += int64_t(q_len) * group * n_last;
+    }
+  }
+  const bool par = tasks.size() > 1 && work > 4096;
+  std::atomic<size_t> next{0};  // tasks taken one at a time by the next free thread
   // The vector path: head_dim a multiple of kW, up to 16 vectors.
   const bool vector_path = kVectorPath && D % kW == 0 && D / kW <= 16;
   pool.run(par, [&](int, int) {
-    const int hq = heads_per_task * group;  // query heads of one task
-    std::vector<float> scores(size_t(std::max(1, b.max_ctx_len)) * hq);
-    std::vector<float> acc(size_t(D) * hq), inv(hq), row(size_t(D) * heads_per_task);
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int r = int(t / tasks_per_row), kh0 = int(t % tasks_per_row) * heads_per_task;
-      const int si = row_seq[r];
+    std::vector<float> scores(static_cast<size_t>(scratch)), acc(size_t(kRowBlock) * group * D),
+        inv(size_t(kRowBlock) * group), row(D);
+    for (size_t ti; (ti = next.fetch_add(1, std::memory_order_relaxed)) < tasks.size();) {
+      const Task& t = tasks[ti];
+      const int si = t.seq, kh = t.kh, hq = t.rows * group;  // (row, head) pairs of the task
       const int q_len = b.q_start[si + 1] - b.q_start[si];
-      // The (sequence, kv head) list of the task's heads: one per head (a task of one head) or the sequence's.
-      const int64_t list = b.head_tables ? int64_t(si) * Hkv + kh0 : si;
-      const int n = b.ctx_len[list] - q_len + (r - b.q_start[si]) + 1;  // positions [0, pos]
+      // The (sequence, kv head) page list: one per head (sparse attention) or the sequence's.
+      const int64_t list = b.head_tables ? int64_t(si) * Hkv + kh : si;
+      const int n0 = b.ctx_len[list] - q_len + (t.r0 - b.q_start[si]) + 1;  // row i sees keys [0, n0 + i)
+      const int n_max = n0 + t.rows - 1;
+      const int64_t ld = n_max;  // scores of pair (i, g) at scores + (i * group + g) * ld
       const int32_t* pages = b.page_table + list * b.max_pages;
-      const float* qr = q.ptr<float>() + int64_t(r) * q.stride + int64_t(kh0) * group * D;
-      // Key p's K (or V) row of head kh0 + kh: in the device tier, or (pages from host_page0 on) the host tier.
-      auto at = [&](const E* dev, const E* host, int p, int kh) {
+      auto q_at = [&](int i) { return q.ptr<float>() + int64_t(t.r0 + i) * q.stride + int64_t(kh) * group * D; };
+      // Key p's K (or V) row of head kh: in the device tier, or (pages from host_page0 on) the host tier.
+      auto at = [&](const E* dev, const E* host, int p) {
         const int page = pages[p / b.page_size];
         const bool on_host = page >= cache.host_page0;
         const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
-        return (on_host ? host : dev) + r * kv_cols + int64_t(kh0 + kh) * D;
+        return (on_host ? host : dev) + r * kv_cols + int64_t(kh) * D;
       };
-      // FP8: scores[h][p] *= the scale of key p's row of head h's kv head (K or V scales of either tier).
-      auto scale_by = [&](const float* dev, const float* host, int heads) {
-        for (int p = 0; p < n; ++p) {
-          const int page = pages[p / b.page_size];
-          const bool on_host = page >= cache.host_page0;
-          const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
-          const float* sr = (on_host ? host : dev) + r * Hkv + kh0;
-          for (int h = 0; h < heads; ++h) scores[size_t(h) * n + p] *= sr[h / group];
-        }
+      // The K or V rows of keys [kb, kb + kKeyBlock), looked up once per block for all the task's rows.
+      const E* rows_of_block[kKeyBlock];
+      int block0 = 0;
+      auto look_up = [&](const E* dev, const E* host, int kb) {
+        block0 = kb;
+        for (int p = kb; p < std::min(kb + kKeyBlock, n_max); ++p) rows_of_block[p - kb] = at(dev, host, p);
       };
-      if (vector_path) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-        with_const<16>(D / kW, [&](auto chunks) {
-          for (int kh = 0; kh < heads_per_task; ++kh) {
-            group_scores<decltype(chunks)::value>(kind, qr + int64_t(kh) * group * D, group, n, s.scale,
-                                                  [&](int p) { return at(kc, host_kc, p, kh); },
-                                                  scores.data() + size_t(kh) * group * n, n);
+      auto key = [&](int p) { return rows_of_block[p - block0]; };
+      auto val = key;
+      // FP8: scores of row i times the scale of key p's row (K or V scales of either tier).
+      auto scale_by = [&](const float* dev, const float* host) {
+        for (int i = 0; i < t.rows; ++i)
+          for (int p = 0; p < n0 + i; ++p) {
+            const int page = pages[p / b.page_size];
+            const bool on_host = page >= cache.host_page0;
+            const int64_t r = int64_t(on_host ? page - cache.host_page0 : page) * b.page_size + p % b.page_size;
+            const float sc = ((on_host ? host : dev) + r * Hkv)[kh];
+            for (int g = 0; g < group; ++g) scores[size_t(i * group + g) * ld + p] *= sc;
           }
-        });
+      };
+      for (int kb = 0; kb < n_max; kb += kKeyBlock) {
+        look_up(kc, host_kc, kb);
+        for (int i = 0; i < t.rows; ++i) {
+          const int end = std::min(kb + kKeyBlock, n0 + i);
+          float* sc = scores.data() + size_t(i) * group * ld;
+          if (vector_path) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+            with_const<16>(D / kW, [&](auto chunks) {
+              group_scores<decltype(chunks)::value>(kind, q_at(i), group, kb, end, s.scale, key, sc, ld);
+            });
 #endif
-      } else {
-        for (int p = 0; p < n; ++p) {
-          const float* kr = as_f32(kind, at(kc, host_kc, p, 0), int(row.size()), row.data());
-          for (int h = 0; h < hq; ++h) scores[size_t(h) * n + p] = dot(qr + h * D, kr + (h / group) * D, D) * s.scale;
+          } else {
+            for (int p = kb; p < end; ++p) {
+              const float* kr = as_f32(kind, key(p), D, row.data());
+              for (int g = 0; g < group; ++g) sc[g * ld + p] = dot(q_at(i) + g * D, kr, D) * s.scale;
+            }
+          }
         }
       }
-      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.k_scale, cache.host_k_scale, hq);
+      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.k_scale, cache.host_k_scale);
       for (int h = 0; h < hq; ++h) {
-        float* sc = scores.data() + size_t(h) * n;
+        float* sc = scores.data() + size_t(h) * ld;
+        const int n = n0 + h / group;
         float mx = -INFINITY;
         for (int p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
         inv[h] = 1.f / exp_shift_sum(sc, n, mx);
       }
-      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.v_scale, cache.host_v_scale, hq);
-      if (vector_path) {
+      if constexpr (std::is_same_v<R, F8Rows>) scale_by(cache.v_scale, cache.host_v_scale);
+      std::fill(acc.begin(), acc.begin() + int64_t(hq) * D, 0.f);
+      for (int kb = 0; kb < n_max; kb += kKeyBlock) {
+        look_up(vc, host_vc, kb);
+        for (int i = 0; i < t.rows; ++i) {
+          const int end = std::min(kb + kKeyBlock, n0 + i);
+          const float* w = scores.data() + size_t(i) * group * ld;
+          float* a = acc.data() + size_t(i) * group * D;
+          if (vector_path) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-        with_const<16>(D / kW, [&](auto chunks) {
-          for (int kh = 0; kh < heads_per_task; ++kh) {
-            group_weighted_sum<decltype(chunks)::value>(kind, scores.data() + size_t(kh) * group * n, n, group, n,
-                                                        [&](int p) { return at(vc, host_vc, p, kh); },
-                                                        acc.data() + size_t(kh) * group * D);
-          }
-        });
+            with_const<16>(D / kW, [&](auto chunks) {
+              group_weighted_sum<decltype(chunks)::value>(kind, w, ld, group, kb, end, val, a);
+            });
 #endif
-      } else {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int p = 0; p < n; ++p) {
-          const float* vr = as_f32(kind, at(vc, host_vc, p, 0), int(row.size()), row.data());
-          for (int h = 0; h < hq; ++h) {
-            const float w = scores[size_t(h) * n + p];
-            float* __restrict__ a = acc.data() + size_t(h) * D;
-            const float* __restrict__ v = vr + (h / group) * D;
-            for (int i = 0; i < D; ++i) a[i] += w * v[i];
+          } else {
+            for (int p = kb; p < end; ++p) {
+              const float* vr = as_f32(kind, val(p), D, row.data());
+              for (int g = 0; g < group; ++g) {
+                const float wp = w[g * ld + p];
+                float* __restrict__ ag = a + size_t(g) * D;
+                for (int d = 0; d < D; ++d) ag[d] += wp * vr[d];
+              }
+            }
           }
         }
       }
-      float* orow = out.ptr<float>() + int64_t(r) * out.stride + int64_t(kh0) * group * D;
-      for (int h = 0; h < hq; ++h)
-        for (int i = 0; i < D; ++i) orow[h * D + i] = acc[size_t(h) * D + i] * inv[h];
+      for (int i = 0; i < t.rows; ++i) {
+        float* orow = out.ptr<float>() + int64_t(t.r0 + i) * out.stride + int64_t(kh) * group * D;
+        for (int g = 0; g < group; ++g) {
+          const int h = i * group + g;
+          for (int d = 0; d < D; ++d) orow[g * D + d] = acc[size_t(h) * D + d] * inv[h];
+        }
+      }
     }
   });
 }

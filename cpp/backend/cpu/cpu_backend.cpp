@@ -221,16 +221,25 @@ class CpuBackend final : public Backend {
     pool_.for_static(out.rows, out.rows > 8, [&](int64_t r) {
       const float* g = row(gu, r);
       float* o = row(out, r);
-      // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (exp16 takes x <= 0): 1 / (1 + e), or e / (1 + e).
+      // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (exp_lanes takes x <= 0): 1 / (1 + e), or e / (1 + e).
+      // 16 lanes with AVX-512, else 8 (GCC scalarizes 16-lane selects without AVX-512); the same values.
+#if defined(__AVX512F__)
+      using VF = v16f;
+      using VI = v16i;
+#else
+      using VF = v8f;
+      using VI = v8i;
+#endif
+      constexpr int64_t W = sizeof(VF) / sizeof(float);
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        v16f x, up;
-        std::memcpy(&x, g + i, 64);
-        std::memcpy(&up, g + I + i, 64);
-        const v16f e = exp16(x < 0 ? x : -x);
-        const v16f sig = (x < 0 ? e : v16f{} + 1.0f) / (e + 1.0f);
-        const v16f y = x * sig * up;
-        std::memcpy(o + i, &y, 64);
+      for (; i + W <= I; i += W) {
+        VF x, up;
+        std::memcpy(&x, g + i, sizeof x);
+        std::memcpy(&up, g + I + i, sizeof up);
+        const VF e = exp_lanes<VF, VI>(x < 0 ? x : -x);
+        const VF sig = (x < 0 ? e : VF{} + 1.0f) / (e + 1.0f);
+        const VF y = x * sig * up;
+        std::memcpy(o + i, &y, sizeof y);
       }
       for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
     });
