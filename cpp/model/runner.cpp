@@ -11,8 +11,8 @@ namespace qrt {
 
 StepRunner::StepRunner(Backend& be, int max_tokens, int max_seqs, int max_pages_per_seq, int max_logit_rows,
                        int vocab0, bool graphs)
-    : be_(be), max_tokens_(max_tokens), max_seqs_(max_seqs), max_pages_per_seq_(max_pages_per_seq), vocab0_(vocab0),
-      graphs_on_(graphs && be.supports_graphs()) {
+    : be_(be), max_tokens_(max_tokens), max_seqs_(max_seqs), max_pages_per_seq_(max_pages_per_seq),
+      max_logit_rows_(max_logit_rows), vocab0_(vocab0), graphs_on_(graphs && be.supports_graphs()) {
   const int T = max_tokens, S = max_seqs;
   meta_ints_ = 4 * int64_t(std::max(T, S)) + (S + 1) + 3 * S + int64_t(S) * max_pages_per_seq + max_logit_rows;
   meta_ = Buffer(&be, size_t(meta_ints_) * 4);
@@ -41,8 +41,11 @@ int StepRunner::graph_pages(int n, int max_n) {
 StepMeta StepRunner::upload(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
                             int max_pages, int max_ctx) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
-  const bool pad = rows > T;  // decode-only: T == S == R, padded to `rows` one-token sequences
-  const int SS = pad ? rows : S, RR = pad ? rows : R;
+  // A uniform step (q tokens per sequence, every row sampling: T == S q == R) padded to `rows` rows of q-token
+  // sequences.
+  const bool pad = rows > T;
+  const int q = pad ? T / S : 1;
+  const int SS = pad ? rows / q : S, RR = pad ? rows : R;
   std::vector<int32_t> meta;
   meta.reserve(size_t(4 * rows + 3 * SS + 1 + SS * max_pages + RR));
   auto put = [&](const std::vector<int32_t>& v, int n, auto pad_value) {
@@ -58,8 +61,8 @@ StepMeta StepRunner::upload(const StepInput& s, const int32_t* sampled, KvCache&
   const size_t o_src = put(s.token_src, rows, [](int) { return -1; });
   const size_t o_pos = put(s.positions, rows, [](int) { return 0; });
   const size_t o_kvr = put(s.kv_rows, rows, [&](int) { return scratch; });
-  const size_t o_qs = put(s.q_start, SS + 1, [](int i) { return i; });
-  const size_t o_ctx = put(s.ctx_len, SS, [](int) { return 1; });
+  const size_t o_qs = put(s.q_start, SS + 1, [&](int i) { return i * q; });
+  const size_t o_ctx = put(s.ctx_len, SS, [&](int) { return q; });
   size_t o_pt = meta.size();
   for (int i = 0; i < SS; ++i)
     for (int j = 0; j < max_pages; ++j)
@@ -101,18 +104,23 @@ StepMeta StepRunner::upload(const StepInput& s, const int32_t* sampled, KvCache&
 void StepRunner::run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
                      const std::function<void(const StepMeta&, int)>& forward) {
   const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
-  const bool decode = s.max_q_len == 1 && T == S && R == S;
-  const int bucket = graph_bucket(S, std::min(max_seqs_, max_tokens_));
-  if (graphs_on_ && decode && bucket >= S) {
+  // Uniform steps replay graphs: q tokens per sequence, every row sampling (decode: q = 1; verification of
+  // speculative drafts: q = k + 1).
+  const int q = s.max_q_len;
+  const bool uniform = S > 0 && q >= 1 && q <= kGraphMaxQ && T == S * q && R == T;
+  const int bucket = uniform ? graph_bucket(S, std::min(max_seqs_, max_tokens_ / q)) : -1;
+  if (graphs_on_ && uniform && bucket >= S && bucket * q <= max_logit_rows_) {
     // Fixed shapes for the graph: padded rows, and page-table columns whose pages bound every context.
     const int pages = graph_pages(s.max_pages, max_pages_per_seq_);
-    const StepMeta meta = upload(s, sampled, kv, state, bucket, pages, pages * kv.page_size());
-    const std::pair<int, int> key{bucket, pages};
+    const StepMeta meta = upload(s, sampled, kv, state, bucket * q, pages, pages * kv.page_size());
+    const GraphKey key{bucket, pages, q, !s.keep.empty()};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
+      // A verification shape runs once without a graph first: its workspaces grow outside a capture.
+      if (q > 1 && warmed_.insert(key).second) return forward(meta, bucket * q);
       be_.begin_capture();
       try {
-        forward(meta, bucket);
+        forward(meta, bucket * q);
       } catch (...) {
         be_.abort_capture();  // leave the stream usable; the step fails with the forward's error
         throw;

@@ -1,10 +1,13 @@
 // StepRunner: what a model's step needs besides its layers. It uploads the step's metadata (tokens, positions, KV
 // rows, the ragged batch, logit rows, state slots: one int32 buffer) and runs the forward pass, replaying it from a
-// CUDA graph for decode steps (captured the first time each shape occurs: batch bucket x page-table columns).
+// CUDA graph for uniform steps (decode, and verification of speculative drafts: q tokens per sequence), captured
+// the first time each shape occurs (batch bucket x page-table columns x q; a verification shape the second time).
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
+#include <tuple>
 #include <utility>
 
 #include "backend/ops.h"
@@ -29,7 +32,7 @@ class StepRunner {
   // vocab0: the first embedding row of this rank's shard; graphs: replay decode steps when the backend can.
   StepRunner(Backend& be, int max_tokens, int max_seqs, int max_pages_per_seq, int max_logit_rows, int vocab0,
              bool graphs);
-  // Runs forward(meta, logit_rows) for step s: from a graph for a decode step that fits a bucket, else directly.
+  // Runs forward(meta, logit_rows) for step s: from a graph for a uniform step that fits a bucket, else directly.
   // sampled: the backend's sampled_tokens() of the step before, where s.token_src points.
   void run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
            const std::function<void(const StepMeta&, int logit_rows)>& forward);
@@ -39,19 +42,24 @@ class StepRunner {
   }
 
  private:
-  // Uploads s padded to `rows` rows (rows > s's tokens: a decode step padded with one-token sequences on the scratch
+  // Uploads s padded to `rows` rows (rows > s's tokens: a uniform step padded with q-token sequences on the scratch
   // row and slot) and max_pages page-table columns.
   StepMeta upload(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state, int rows,
                   int max_pages, int max_ctx);
   static int graph_bucket(int n, int max_n);
   static int graph_pages(int n, int max_n);
 
+  static constexpr int kGraphMaxQ = 5;  // tokens per sequence of a graph-replayed step (k + 1 at k = 4 drafts)
+  // (batch bucket, page-table columns, tokens per sequence, keeps DeltaNet states per row)
+  using GraphKey = std::tuple<int, int, int, bool>;
+
   Backend& be_;
-  int max_tokens_, max_seqs_, max_pages_per_seq_, vocab0_;
+  int max_tokens_, max_seqs_, max_pages_per_seq_, max_logit_rows_, vocab0_;
   bool graphs_on_;
   Buffer meta_;
   int64_t meta_ints_;
-  std::map<std::pair<int, int>, int> graphs_;  // (decode batch bucket, page-table columns) -> captured graph
+  std::map<GraphKey, int> graphs_;  // -> captured graph
+  std::set<GraphKey> warmed_;       // verification shapes run once without a graph
 };
 
 }  // namespace qrt
