@@ -1093,7 +1093,7 @@ def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m,n,k", [(9, 256, 1024), (64, 1024, 4096), (200, 384, 512), (300, 640, 1280)])
 def test_fp8_w8a8_gemm(cpu, act, m, n, k, monkeypatch):
-    """FP8 linears of 16-bit activations on Hopper (from 9 rows; here every row count, the GEMV off): the activations
+    """FP8 linears of 16-bit activations on Hopper (from 5 rows; here every row count, the GEMV off): the activations
     quantized per row and 128 columns, one block-scaled FP8 GEMM (CUTLASS's); against numpy on the same quantized
     values (and further from the weight-only product it replaces, which QWEN_RT_FP8_GEMM=dequant gives)."""
     monkeypatch.delenv("QWEN_RT_FP8_GEMM", raising=False)

@@ -116,6 +116,8 @@ class CudaBackend final : public Backend {
   // Whether matmul_fp8 tries the W8A8 GEMM for x (Hopper, 16-bit x, 128 x 128 scale blocks; not
   // QWEN_RT_FP8_GEMM=dequant).
   bool fp8_w8a8(const Tensor& x, const Linear& w) const;
+  // The most x rows the FP8 GEMV takes for w (fewer where the W8A8 GEMM takes the rest).
+  int fp8_gemv_rows(const Tensor& x, const Linear& w) const;
   // A sampling in flight: its pinned parameters and results, where the results lie in them, and its
   // device results (one set per parity: sampling N + 1 runs while N's results are still being copied).
   struct SampleIo {

@@ -176,19 +176,19 @@ void check_fp8_linear(const Linear& lw) {
             lw.scale.cols, "] for weights [", w.rows, ", ", w.cols, "] need [", rows, ", ", cols, "]");
 }
 
-// Up to 8 x rows (QWEN_RT_GEMV_ROWS, read at every call, sets it as for the 16-bit GEMV: 0 sends every FP8 linear
-// to the dequantizing GEMM). At 8 rows the GEMV reads the FP8 weights once, where the GEMM path writes and reads a
-// 16-bit copy of them.
-int gemv_fp8_max_rows() {
+// Up to max_rows x rows (QWEN_RT_GEMV_ROWS, read at every call, overrides it as for the 16-bit GEMV: 0 sends every
+// FP8 linear to the GEMMs). At 8 rows the GEMV reads the FP8 weights once, where the dequantizing path writes and
+// reads a 16-bit copy of them.
+int gemv_fp8_max_rows(int max_rows) {
   const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
-  return e ? std::clamp(std::atoi(e), 0, 8) : 8;
+  return e ? std::clamp(std::atoi(e), 0, 8) : std::clamp(max_rows, 0, 8);
 }
 
 bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, GemvEpilogue epi,
-                     cudaStream_t s) {
+                     int max_rows, cudaStream_t s) {
   const Tensor& w = lw.w;
   const int64_t xes = int64_t(dtype_size(x.dtype));
-  if (x.rows < 1 || x.rows > gemv_fp8_max_rows() || w.cols % 16 != 0 || !aligned16(w.data, w.stride) ||
+  if (x.rows < 1 || x.rows > gemv_fp8_max_rows(max_rows) || w.cols % 16 != 0 || !aligned16(w.data, w.stride) ||
       !aligned16(x.data, x.stride * xes))
     return false;
   switch (epi) {

@@ -9,10 +9,11 @@ namespace qrt::cuda {
 
 // Throws std::runtime_error unless lw is FP8 with float32 scales covering it (ops.h Linear).
 void check_fp8_linear(const Linear& lw);
-// The FP8 GEMV (x rows <= 8 by default; x F32/F16/BF16) with launch_gemv's epilogues (no norm); returns false
-// (nothing launched) for shapes it does not take (K not a multiple of 16, unaligned rows, more rows).
+// The FP8 GEMV (x rows <= max_rows, unless QWEN_RT_GEMV_ROWS sets it; x F32/F16/BF16) with launch_gemv's
+// epilogues (no norm); returns false (nothing launched) for shapes it does not take (K not a multiple of 16,
+// unaligned rows, more rows).
 bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, GemvEpilogue epi,
-                     cudaStream_t s);
+                     int max_rows, cudaStream_t s);
 // dst (an activation dtype) = rows [n0, n0 + dst.rows) of lw dequantized (fp32 products, then rounded).
 void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream_t s);
 // Backend::quantize_fp8 (src F32/F16/BF16).
