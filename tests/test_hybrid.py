@@ -188,6 +188,23 @@ def test_bad_hybrid_checkpoints_are_value_errors(build, tmp_path):
             qwen_rt.Generator(str(bad), **M.base_kwargs(bad))
 
 
+def test_config_without_an_mtp_head(build, tmp_path):
+    """mtp_num_hidden_layers 0 (a checkpoint without the head) loads as an absent key does; a negative count is a
+    ValueError naming the key."""
+    src = build("qwen35_hybrid")
+    prompts = M.pick_prompts(src, seed=4, lengths=[9], max_new=6)
+    for n, ok in ((0, True), (-1, False)):
+        folder = M.copy_folder(src, tmp_path / f"mtp{n}")
+        M.edit_json(folder / "config.json", lambda c: c.update(mtp_num_hidden_layers=n))
+        if ok:
+            gen = qwen_rt.Generator(str(folder), **M.base_kwargs(folder))
+            check_greedy(src, prompts, gen.generate(prompts, max_tokens=6, **GREEDY), 6)
+            gen.close()
+        else:
+            with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+                qwen_rt.Generator(str(folder), **M.base_kwargs(folder))
+
+
 def test_packaged_qwen38_27b_shape(tmp_path):
     """The packaged Qwen3.8-27B config resolves to its plan: 48 DeltaNet and 16 attention layers."""
     from qwen_rt.config import native_config

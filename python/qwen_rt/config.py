@@ -352,7 +352,7 @@ def _hybrid_fields(cfg: dict, c: "_core.ModelConfig") -> None:
     if bad:
         raise ValueError(f"layer type {bad[0]!r} is not supported (full_attention, linear_attention)")
     c.layer_types = types
-    c.mtp_layers = config_int(cfg, "mtp_num_hidden_layers", 0)
+    c.mtp_layers = config_int(cfg, "mtp_num_hidden_layers", 0, lo=0)  # 0: no MTP head
     for field, key, default in (("linear_k_heads", "linear_num_key_heads", 16),
                                 ("linear_v_heads", "linear_num_value_heads", 32),
                                 ("linear_k_dim", "linear_key_head_dim", 128),
