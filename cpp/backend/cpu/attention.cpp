@@ -157,6 +157,13 @@ constexpr int chain_keys(int gn) {
   return kj;
 }
 
+// A row's vectors per weighted-sum pass for gn heads: gn x CC accumulators, CC values and a weight fit the
+// registers, the row's C vectors split evenly.
+constexpr int pass_vectors(int C, int gn) {
+  const int most = std::max(1, (kVecRegs - 1) / (gn + 1)), passes = (C + most - 1) / most;
+  return (C + passes - 1) / passes;
+}
+
 // Calls f(std::integral_constant<int, c>) for a run-time c in 1..N.
 template <int N, typename F>
 void with_const(int c, F&& f) {
@@ -213,8 +220,7 @@ void group_weighted_sum(R kind, const float* w, int64_t ld, int G, int p_begin, 
   for (int g0 = 0; g0 < G; g0 += 4) {
     with_const<4>(std::min(4, G - g0), [&](auto heads) {
       constexpr int gn = decltype(heads)::value;
-      // Vectors of a row per pass: gn x CC accumulators, CC values and a weight in the registers, C split evenly.
-      constexpr int most = std::max(1, (kVecRegs - 1) / (gn + 1)), CC = (C + (C + most - 1) / most - 1) / ((C + most - 1) / most);
+      constexpr int CC = pass_vectors(C, gn);
       for (int c0 = 0; c0 < C; c0 += CC) {
         with_const<CC>(std::min(CC, C - c0), [&](auto cols) {
           constexpr int cn = decltype(cols)::value;
