@@ -318,7 +318,9 @@ def test_exit_while_daemon_threads_wait(build):
             for _ in g.stream([5, 6, 7], max_tokens=n, ignore_eos=True): pass
         def result(): g.submit([5, 6, 7], max_tokens=n, ignore_eos=True).result()
         threads = [threading.Thread(target=fn, daemon=True) for fn in (gen, gen, stream, result)]
-        for t in threads: t.start()
+        for t in threads:  # generate()'s 128 requests first: the stream's and result()'s wait behind them
+            t.start()
+            time.sleep(0.05)
         time.sleep(0.3)
         print("alive", sum(t.is_alive() for t in threads))
     """, timeout=60)
