@@ -8,7 +8,6 @@
 #include <map>
 #include <set>
 #include <tuple>
-#include <utility>
 
 #include "backend/ops.h"
 #include "core/buffer.h"
@@ -29,7 +28,7 @@ struct StepMeta {
 
 class StepRunner {
  public:
-  // vocab0: the first embedding row of this rank's shard; graphs: replay decode steps when the backend can.
+  // vocab0: the first embedding row of this rank's shard; graphs: replay uniform steps when the backend can.
   StepRunner(Backend& be, int max_tokens, int max_seqs, int max_pages_per_seq, int max_logit_rows, int vocab0,
              bool graphs);
   // Runs forward(meta, logit_rows) for step s: from a graph for a uniform step that fits a bucket, else directly.

@@ -164,15 +164,6 @@ constexpr int pass_vectors(int C, int gn) {
   return (C + passes - 1) / passes;
 }
 
-// Calls f(std::integral_constant<int, c>) for a run-time c in 1..N.
-template <int N, typename F>
-void with_const(int c, F&& f) {
-  if constexpr (N >= 1) {
-    if (c == N) f(std::integral_constant<int, N>{});
-    else with_const<N - 1>(c, f);
-  }
-}
-
 // scores[g * ld + p] = scale * q_g . k(p) for the query heads g < G of one KV head (q_g at q + g * C * kW) and the
 // keys p < n, kW keys at a time: each key's C vectors of products (a product, then fused in order) summed by
 // sum_lanes (a key past n in a block repeats the block's first; its score is dropped). Within a block, the chains

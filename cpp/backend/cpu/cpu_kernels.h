@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -26,6 +27,18 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef _Float16 v8f16 __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
+
+// Calls f(std::integral_constant<int, c>) for a run-time c in 1..N (tile heights, heads, vectors of a row: counts
+// the kernels unroll at compile time).
+template <int N, typename F>
+inline void with_const(int c, F&& f) {
+  if constexpr (N > 1) {
+    if (c == N) f(std::integral_constant<int, N>{});
+    else with_const<N - 1>(c, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
 
 // IEEE half bit patterns widened to fp32 (exact), by F16C where present: GCC converts a vector of _Float16 one lane
 // at a time, even with AVX512-FP16.

@@ -42,17 +42,6 @@ constexpr int NR = 4;  // rows of w per tile
 // A tile's dot products: up to 8 rows of x by up to 8 rows of w (every tile family fits).
 using TileResult = float[8][8];
 
-// Calls f(std::integral_constant<int, mr>) for a run-time tile height mr in 1..n.
-template <int n, typename F>
-void with_rows(int mr, F&& f) {
-  if constexpr (n > 1) {
-    if (mr == n) f(std::integral_constant<int, n>{});
-    else with_rows<n - 1>(mr, f);
-  } else {
-    f(std::integral_constant<int, 1>{});
-  }
-}
-
 // out[m0 + i, n0 + j] = res[i * ldr + j] (+ bias[n0 + j]).
 // accumulate: out += the tile (the residual connection of linear_add).
 inline void store_tile(const float* res, int ldr, int mr, int nr, int64_t m0, int64_t n0, const Tensor* bias,
@@ -373,7 +362,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if constexpr (WT == DType::BF16) {
     if (x_pairs) {
-      with_rows<8>(mr, [&](auto rows) {
+      with_const<8>(mr, [&](auto rows) {
         constexpr int rows_v = decltype(rows)::value;
         if constexpr (rows_v <= 4)
           with_avx2_cols<rows_v>(nr, [&](auto cols) {
@@ -385,7 +374,7 @@ void run_tile(int mr, int nr, const float* x, int64_t ldx, const char* w, int64_
   }
 #endif
   (void)x_pairs;
-  with_rows<8>(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
+  with_const<8>(mr, [&](auto rows) { tile_n<WT, decltype(rows)::value>(nr, x, ldx, w, ldw, K, res); });
 }
 
 // x_pairs: x's rows are permuted for tile_bf16_pairs (bf16 weights, AVX2, fewer than 16 rows).
@@ -696,7 +685,7 @@ void gemm_packed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& o
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t n0 = p * kPanelCols;
         const float* panel = block + (p - p_begin) * panel_floats;
-        with_rows<kTileRows>(mr, [&](auto rows) {
+        with_const<kTileRows>(mr, [&](auto rows) {
           constexpr int r = decltype(rows)::value;
           tile_chains<r>(xs + t * tile_floats, panel, steps, chains);
           finish_chains<r>(chains, xp + m0 * x.stride, x.stride, panel + kv * kPanelCols, kv, K, res);
