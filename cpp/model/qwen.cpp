@@ -290,13 +290,22 @@ void QwenModel::gather_logits(int R) {
 
 Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_rows, bool from_draft, KvCache& kv) {
   QRT_CHECK(mtp_, "draft: the model has no MTP head");
-  const int T = s.num_tokens(), R = int(s.logit_rows.size()), n = comm_.size();
+  const int T = s.num_tokens(), R = int(s.logit_rows.size());
   QRT_CHECK(T > 0 && T <= lim_.max_tokens && R <= logit_rows() && s.num_seqs() <= lim_.max_seqs &&
                 s.max_pages <= lim_.max_pages_per_seq && int(hidden_rows.size()) == T,
             "draft step exceeds the model's limits");
-  const StepMeta meta = runner_->upload(s, nullptr, kv, nullptr);
+  // The hidden rows of the step's rows as the runner pads them (padded rows read row 0).
+  std::vector<int32_t> rows(size_t(runner_->padded_rows(s)), 0);
+  std::copy(hidden_rows.begin(), hidden_rows.end(), rows.begin());
+  be_.upload(hidden_rows_.data, rows.data(), rows.size() * 4);
+  runner_->run(s, nullptr, kv, nullptr, [&](const StepMeta& meta, int r) { draft_body(meta, r, from_draft, kv); },
+               from_draft ? 2 : 1);
+  return logits_view(R);
+}
+
+void QwenModel::draft_body(const StepMeta& meta, int R, bool from_draft, KvCache& kv) {
   const AttnBatch& b = meta.batch;
-  be_.upload(hidden_rows_.data, hidden_rows.data(), size_t(T) * 4);
+  const int T = meta.rows, n = comm_.size();
   const int64_t H = cfg_.hidden_size;
   const float eps = cfg_.rms_eps;
   const bool zc = cfg_.zero_centred_norms;
@@ -324,7 +333,6 @@ Tensor QwenModel::draft(const StepInput& s, const std::vector<int32_t>& hidden_r
     be_.gather_rows(out, meta.logit_rows, sh);
     lm_head(sh, R);
   }
-  return logits_view(R);
 }
 
 }  // namespace qrt

@@ -62,6 +62,8 @@ class QwenModel {
   void build_rope_table();
   // The forward pass over a step's uploaded metadata (meta.rows rows, the first logit_rows of meta.logit_rows).
   void body(const StepMeta& meta, int logit_rows, KvCache& kv, StateCache* state);
+  // A draft pass's layers (draft()), the step's rows as meta gives them.
+  void draft_body(const StepMeta& meta, int logit_rows, bool from_draft, KvCache& kv);
   void load_mtp(WeightLoader& ld, const std::function<NormGain(const std::string&, const std::vector<Linear*>&)>& norm);
   // logits rows [0, R) = lm_head(rows) for rows [R, hidden] already final-normed, vocab-parallel across ranks.
   void lm_head(const Tensor& rows, int R);

@@ -101,23 +101,32 @@ StepMeta StepRunner::upload(const StepInput& s, const int32_t* sampled, KvCache&
   return out;
 }
 
-void StepRunner::run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
-                     const std::function<void(const StepMeta&, int)>& forward) {
-  const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size());
+int StepRunner::graph_bucket(const StepInput& s) const {
   // Uniform steps replay graphs: q tokens per sequence, every row sampling (decode: q = 1; verification of
-  // speculative drafts: q = k + 1).
-  const int q = s.max_q_len;
-  const bool uniform = S > 0 && q >= 1 && q <= kGraphMaxQ && T == S * q && R == T;
-  const int bucket = uniform ? graph_bucket(S, std::min(max_seqs_, max_tokens_ / q)) : -1;
-  if (graphs_on_ && uniform && bucket >= S && bucket * q <= max_logit_rows_) {
+  // speculative drafts: q = k + 1; draft passes: q = 1).
+  const int T = s.num_tokens(), S = s.num_seqs(), R = int(s.logit_rows.size()), q = s.max_q_len;
+  if (!graphs_on_ || S == 0 || q < 1 || q > kGraphMaxQ || T != S * q || R != T) return -1;
+  const int bucket = graph_bucket(S, std::min(max_seqs_, max_tokens_ / q));
+  return bucket >= S && bucket * q <= max_logit_rows_ ? bucket : -1;
+}
+
+int StepRunner::padded_rows(const StepInput& s) const {
+  const int bucket = graph_bucket(s);
+  return bucket > 0 ? bucket * s.max_q_len : s.num_tokens();
+}
+
+void StepRunner::run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
+                     const std::function<void(const StepMeta&, int)>& forward, int forward_kind) {
+  const int bucket = graph_bucket(s);
+  if (bucket > 0) {
     // Fixed shapes for the graph: padded rows, and page-table columns whose pages bound every context.
-    const int pages = graph_pages(s.max_pages, max_pages_per_seq_);
+    const int q = s.max_q_len, pages = graph_pages(s.max_pages, max_pages_per_seq_);
     const StepMeta meta = upload(s, sampled, kv, state, bucket * q, pages, pages * kv.page_size());
-    const GraphKey key{bucket, pages, q, !s.keep.empty()};
+    const GraphKey key{forward_kind, bucket, pages, q, !s.keep.empty()};
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
-      // A verification shape runs once without a graph first: its workspaces grow outside a capture.
-      if (q > 1 && warmed_.insert(key).second) return forward(meta, bucket * q);
+      // A verification or draft shape runs once without a graph first: its workspaces grow outside a capture.
+      if ((q > 1 || forward_kind != 0) && warmed_.insert(key).second) return forward(meta, bucket * q);
       be_.begin_capture();
       try {
         forward(meta, bucket * q);
@@ -130,7 +139,7 @@ void StepRunner::run(const StepInput& s, const int32_t* sampled, KvCache& kv, St
     be_.replay(it->second);
     return;
   }
-  forward(upload(s, sampled, kv, state, T, s.max_pages, s.max_ctx_len), R);
+  forward(upload(s, sampled, kv, state, s.num_tokens(), s.max_pages, s.max_ctx_len), int(s.logit_rows.size()));
 }
 
 }  // namespace qrt

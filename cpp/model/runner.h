@@ -1,7 +1,8 @@
 // StepRunner: what a model's step needs besides its layers. It uploads the step's metadata (tokens, positions, KV
 // rows, the ragged batch, logit rows, state slots: one int32 buffer) and runs the forward pass, replaying it from a
-// CUDA graph for uniform steps (decode, and verification of speculative drafts: q tokens per sequence), captured
-// the first time each shape occurs (batch bucket x page-table columns x q; a verification shape the second time).
+// CUDA graph for uniform steps (decode, verification of speculative drafts: q tokens per sequence, and MTP draft
+// passes), captured the first time each shape occurs (forward kind x batch bucket x page-table columns x q; a
+// verification or draft shape the second time).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -33,12 +34,12 @@ class StepRunner {
              bool graphs);
   // Runs forward(meta, logit_rows) for step s: from a graph for a uniform step that fits a bucket, else directly.
   // sampled: the backend's sampled_tokens() of the step before, where s.token_src points.
+  // forward_kind tells apart the forward passes a model runs (its layers: 0; MTP draft passes: others), whose
+  // graphs differ for the same shape.
   void run(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state,
-           const std::function<void(const StepMeta&, int logit_rows)>& forward);
-  // The metadata alone, of the step's own shape (draft passes).
-  StepMeta upload(const StepInput& s, const int32_t* sampled, KvCache& kv, StateCache* state) {
-    return upload(s, sampled, kv, state, s.num_tokens(), s.max_pages, s.max_ctx_len);
-  }
+           const std::function<void(const StepMeta&, int logit_rows)>& forward, int forward_kind = 0);
+  // The rows run() runs s with: its tokens, or a graph's padded bucket.
+  int padded_rows(const StepInput& s) const;
 
  private:
   // Uploads s padded to `rows` rows (rows > s's tokens: a uniform step padded with q-token sequences on the scratch
@@ -49,8 +50,10 @@ class StepRunner {
   static int graph_pages(int n, int max_n);
 
   static constexpr int kGraphMaxQ = 5;  // tokens per sequence of a graph-replayed step (k + 1 at k = 4 drafts)
-  // (batch bucket, page-table columns, tokens per sequence, keeps DeltaNet states per row)
-  using GraphKey = std::tuple<int, int, int, bool>;
+  // (forward kind, batch bucket, page-table columns, tokens per sequence, keeps DeltaNet states per row)
+  using GraphKey = std::tuple<int, int, int, int, bool>;
+  // The graph bucket of s (-1: s runs without a graph).
+  int graph_bucket(const StepInput& s) const;
 
   Backend& be_;
   int max_tokens_, max_seqs_, max_pages_per_seq_, max_logit_rows_, vocab0_;
@@ -58,7 +61,7 @@ class StepRunner {
   Buffer meta_;
   int64_t meta_ints_;
   std::map<GraphKey, int> graphs_;  // -> captured graph
-  std::set<GraphKey> warmed_;       // verification shapes run once without a graph
+  std::set<GraphKey> warmed_;       // verification and draft shapes run once without a graph
 };
 
 }  // namespace qrt
