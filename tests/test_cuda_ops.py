@@ -1051,15 +1051,22 @@ def fp8_weights(cpu, rng, n, k, shift):
     return np.asarray(q), s
 
 
-# (m, n, k, row shift): decode rows, odd N, K not a multiple of 16 (the GEMV declines: the GEMM path), fused-part
-# shifts, prefill rows.
+# (m, n, k, row shift): decode rows, odd N, K not a multiple of 16 (the GEMV declines: the GEMM path), K not a
+# multiple of 128 (the CUDA-core GEMV), fused-part shifts, the tensor-core GEMV's 9-32 rows, prefill rows.
 FP8_SHAPES = [(1, 16, 128, 7), (1, 4096, 1024, 7), (2, 100, 512, 5), (8, 1024, 4096, 7), (5, 96, 160, 3),
-              (3, 1000, 333, 7), (64, 256, 1024, 0), (257, 64, 1024, 7)]
+              (3, 1000, 333, 7), (12, 300, 640, 3), (16, 512, 1024, 7), (32, 200, 1280, 0), (64, 256, 1024, 0),
+              (257, 64, 1024, 7)]
+
+
+def fp8_gemv_takes(act, m, k):
+    """Whether the FP8 GEMV takes m rows (QWEN_RT_GEMV_ROWS=32): its tensor-core form up to 32 (16-bit x, K a
+    multiple of 128), its CUDA-core form up to 8 (K a multiple of 16)."""
+    return m <= 32 if act != "float32" and k % 128 == 0 else m <= 8 and k % 16 == 0
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m,n,k,shift", FP8_SHAPES)
-@pytest.mark.parametrize("gemv_rows", ["0", "8"])  # every row through the dequantizing GEMM; the GEMV up to 8 rows
+@pytest.mark.parametrize("gemv_rows", ["0", "32"])  # every row through the dequantizing GEMM; the GEMV where it can
 def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
     monkeypatch.setenv("QWEN_RT_GEMV_ROWS", gemv_rows)
     monkeypatch.setenv("QWEN_RT_FP8_GEMM", "dequant")  # the weight-only product (W8A8: test_fp8_w8a8_gemm)
@@ -1073,9 +1080,31 @@ def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
         ref = np.asarray(cpu.fp8_linear(op, x, q, s, shift, **kw))
         out = np.asarray(h.fp8_linear(op, x, q, s, shift, **kw))
         assert out.shape == ref.shape and rel(out, ref) < TOL[act], (op, kw.keys())
-    if int(gemv_rows) >= m and k % 16 == 0:  # the GEMV's rows: batch invariance, a row alone gives the same bits
+    if gemv_rows != "0" and fp8_gemv_takes(act, m, k):  # batch invariance: each row alone gives the same bits
         out = np.asarray(h.fp8_linear("linear", x, q, s, shift))
-        np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[:1], q, s, shift)), out[:1])
+        for r in sorted({0, m // 2, m - 1}):
+            np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[r:r + 1], q, s, shift)), out[r:r + 1])
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+def test_fp8_gemv_converts_every_e4m3_code(cpu, act, monkeypatch):
+    """The tensor-core GEMV converts every finite e4m3 code exactly (zero, subnormal, normal, both signs): x rows
+    of one-hot columns make each fp32 output one weight times its block scale, the CPU's product bit for bit."""
+    import torch
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "32")
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    codes = codes[np.isfinite(codes)]
+    assert codes.size == 254
+    n, k, m = 256, 512, 32
+    q = codes[np.arange(n * k) % codes.size].reshape(n, k).astype(np.float32)
+    s = np.random.default_rng(5).uniform(0.5, 2.0, (n // 128, k // 128)).astype(np.float32)
+    cols = np.arange(m) * 15  # each row's one column: 32 columns x 256 rows cover every code
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), cols] = 1.0
+    out = np.asarray(harness(DEVICE, act).fp8_linear("linear", x, q, s, 7, f32_out=True))
+    want = (q[:, cols] * s[:, cols // 128].repeat(128, 0)).T  # fp32 products, as the CPU dequantizes
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out, np.asarray(cpu.fp8_linear("linear", x, q, s, 7, f32_out=True)))
 
 
 def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
@@ -1113,8 +1142,9 @@ def test_fp8_w8a8_gemm(cpu, act, m, n, k, monkeypatch):
 
 
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("m,inter,k,shift", [(1, 64, 1024, 7), (4, 100, 512, 2), (8, 1536, 1024, 7), (33, 24, 256, 3)])
-@pytest.mark.parametrize("gemv_rows", ["0", "8"])
+@pytest.mark.parametrize("m,inter,k,shift", [(1, 64, 1024, 7), (4, 100, 512, 2), (8, 1536, 1024, 7), (13, 200, 768, 7),
+                                             (32, 40, 384, 4), (33, 24, 256, 3)])
+@pytest.mark.parametrize("gemv_rows", ["0", "32"])
 def test_fp8_linear_silu_mul_and_norm(cpu, act, m, inter, k, shift, gemv_rows, monkeypatch):
     """gate|up with silu_mul (the GEMV fuses it: equal to linear then silu_mul bit for bit), and norm_linear with
     a gain (FP8 linears never get folded gains: rms_norm, then the FP8 linear), against the CPU (weight-only)."""

@@ -405,9 +405,9 @@ void CudaBackend::matmul_fp8(const Tensor& x, const Linear& lw, const Tensor* bi
                   [&](int64_t n0, Tensor& dst) { launch_dequantize_fp8(lw, n0, dst, stream_); });
 }
 
-// Rows the FP8 GEMV takes: 4 where the W8A8 GEMM can take more (Qwen3.8-27B FP8 decode on the H100, one step:
-// GEMV 11.6 / 13.8 / 18.5 / 31.3 ms at 1 / 2 / 4 / 8 rows, W8A8 18.8 / 18.9 / 19.8 ms at 2 / 4 / 8), else 8.
-int CudaBackend::fp8_gemv_rows(const Tensor& x, const Linear& lw) const { return fp8_w8a8(x, lw) ? 4 : 8; }
+int CudaBackend::fp8_gemv_rows(const Tensor& x, const Linear& lw) const {
+  return gemv_fp8_rows(x, lw, fp8_w8a8(x, lw));
+}
 
 bool CudaBackend::fp8_w8a8(const Tensor& x, const Linear& lw) const {
   const char* e = std::getenv("QWEN_RT_FP8_GEMM");  // read at every call, so the op tests can set it

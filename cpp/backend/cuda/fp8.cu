@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/fp8.cuh"
@@ -121,6 +122,186 @@ void launch_gemv_m(const Tensor& x, const Linear& lw, int64_t N, const Tensor* b
   }
 }
 
+// ---- the tensor-core GEMV: 16-bit x, K a multiple of 128, up to kMmaRows rows ----
+// A block of kMmaWarps warps owns 16 weight rows (gated: and the 16 rows N further) and splits K between its warps
+// in whole 128-column scale blocks. A warp multiplies its columns of the 16 rows by up to 8 * NT x rows with
+// mma.sync m16n8k16 (the weights converted to x's dtype in registers, exactly; fp32 accumulation); each 128-column
+// block's products are summed alone, then scaled by that block's weight scales. Lane (g, t) = (lane / 4, lane % 4)
+// reads 16 contiguous weights of rows g and g + 8 and the same 16 columns of x row g: the mma's k order is a
+// permutation of the columns, the same for both operands. Two stages of weights are in flight while a warp computes.
+// The warps' sums meet in shared memory in a fixed order: row m's arithmetic depends neither on M nor on the other
+// rows (batch invariance among M <= kMmaRows).
+constexpr int kMmaWarps = 4;
+constexpr int kMmaRows = 32;
+
+// Two e4m3 (bits 0-15 of v) as a pair of T, exactly.
+template <typename T> __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t v);
+template <> __device__ __forceinline__ uint32_t e4m3x2_to<__half>(uint32_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(v & 0xFFFFu), __NV_E4M3);
+  return uint32_t(h.x) | uint32_t(h.y) << 16;
+}
+template <> __device__ __forceinline__ uint32_t e4m3x2_to<__nv_bfloat16>(uint32_t v) {
+  // Byte b as the bf16 bits (sign << 8 | magnitude << 4) is b's value times 2^-120, normal and subnormal alike
+  // (bf16's exponent bias is 120 above e4m3's); times 2^120 (bf16 0x7B80) is exact.
+  const uint32_t u = __byte_perm(v, 0u, 0x1404);  // b1 << 24 | b0 << 8
+  const uint32_t bits = (u & 0x80008000u) | ((u & 0x7F007F00u) >> 4);
+  const __nv_bfloat162 two120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), two120);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// NT: 8-row tiles of x (M <= 8 * NT).
+template <typename T, typename O, int NT, GemvEpilogue EPI>
+__global__ void __launch_bounds__(kMmaWarps * 32, (EPI == GemvEpilogue::SiluMul ? 2 : 1) * NT <= 2 ? 4 : 2)
+    gemv_fp8_mma_kernel(const T* __restrict__ x, int64_t ldx, int M, const uint8_t* __restrict__ w, int64_t ldw,
+                        const float* __restrict__ scale, int64_t lds, int shift, O* __restrict__ out, int64_t ldo,
+                        int64_t N, int64_t K, const void* bias, DType bias_t) {
+  constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
+  constexpr int R = GATED ? 2 : 1;             // 16-row tiles: rows n0 + [0, 16) (and n0 + N + [0, 16))
+  constexpr int S = R * NT >= 2 ? 1 : 2;        // 128-column blocks per stage
+  using Stage = uint4[S][2][R][2];              // [block][64-column half][tile][row g, g + 8]
+  __shared__ float part[kMmaWarps][R][NT * 8][16];
+  grid_release();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = int64_t(blockIdx.x) * 16;
+  const uint8_t* wr[R][2];
+  const float* sr[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = min(n0 + g + 8 * h, N - 1) + r * N;  // the last tile's missing rows read row N - 1
+      wr[r][h] = w + row * ldw + 16 * t;
+      sr[r][h] = scale + (row >> shift) * lds;
+    }
+  const int blocks = int(K / kFp8Block), per = (blocks + kMmaWarps - 1) / kMmaWarps;
+  const int b_begin = min(warp * per, blocks), b_end = min(b_begin + per, blocks);
+  auto load = [&](int b, Stage& st) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+      if (b + s < b_end)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) st[s][c][r][h] = load_weight(wr[r][h] + (b + s) * kFp8Block + c * 64);
+  };
+  const T* xr[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, M - 1) * ldx + 16 * t;  // rows past M read row M - 1
+  float acc[R][NT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+  auto compute = [&](int b, const Stage& st) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const int kb = b + s;
+      if (kb >= b_end) break;
+      float p[R][NT][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        uint4 xv[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xr[j] + kb * kFp8Block + c * 64);
+          xv[j][0] = xp[0];
+          xv[j][1] = xp[1];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t lo = word(st[s][c][r][0], q), hi = word(st[s][c][r][1], q);
+            const uint32_t a0 = e4m3x2_to<T>(lo), a2 = e4m3x2_to<T>(lo >> 16);
+            const uint32_t a1 = e4m3x2_to<T>(hi), a3 = e4m3x2_to<T>(hi >> 16);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              mma16816<T>(p[r][j], a0, a1, a2, a3, word(xv[j][q >> 1], 2 * (q & 1)),
+                          word(xv[j][q >> 1], 2 * (q & 1) + 1));
+          }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float s0 = __ldg(sr[r][0] + kb), s1 = __ldg(sr[r][1] + kb);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          acc[r][j][0] = fmaf(p[r][j][0], s0, acc[r][j][0]);
+          acc[r][j][1] = fmaf(p[r][j][1], s0, acc[r][j][1]);
+          acc[r][j][2] = fmaf(p[r][j][2], s1, acc[r][j][2]);
+          acc[r][j][3] = fmaf(p[r][j][3], s1, acc[r][j][3]);
+        }
+      }
+    }
+  };
+  Stage st0, st1;
+  load(b_begin, st0);  // weights: before the wait
+  grid_wait();
+  for (int b = b_begin; b < b_end; b += 2 * S) {
+    load(b + S, st1);
+    compute(b, st0);
+    load(b + 2 * S, st0);
+    compute(b + S, st1);
+  }
+  // c[e] is (row g + 8 * (e / 2), x row 2t + e % 2) of the tile.
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[warp][r][8 * j + 2 * t + (e & 1)][g + 8 * (e >> 1)] = acc[r][j][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < NT * 8 * 16; i += kMmaWarps * 32) {
+    const int m = i / 16, row = i % 16;
+    const int64_t n = n0 + row;
+    if (m >= M || n >= N) continue;
+    float v[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      v[r] = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMmaWarps; ++k) v[r] += part[k][r][m][row];
+    }
+    O* o = out + m * ldo + n;
+    if constexpr (GATED) {
+      *o = from_f<O>(silu_mul1(to_f(from_f<T>(v[0])), to_f(from_f<T>(v[R - 1]))));
+    } else if constexpr (EPI == GemvEpilogue::Add) {
+      *o = from_f<O>(to_f(*o) + to_f(from_f<O>(v[0])));
+    } else {
+      const float bv = bias ? load_any(bias, bias_t, n) : 0.f;
+      *o = from_f<O>(v[0] + bv);
+    }
+  }
+}
+
+template <typename T, typename O, GemvEpilogue EPI>
+void launch_gemv_mma(const Tensor& x, const Linear& lw, int64_t N, const Tensor* bias, Tensor& out, cudaStream_t s) {
+  const void* bp = bias ? bias->data : nullptr;
+  const DType bt = bias ? bias->dtype : DType::F32;
+  auto go = [&](auto kernel) {
+    launch_chained(kernel, ceil_div(N, 16), kMmaWarps * 32, 0, s, x.ptr<T>(), x.stride, int(x.rows),
+                   lw.w.ptr<uint8_t>(), lw.w.stride, lw.scale.ptr<float>(), lw.scale.stride, lw.scale_row_shift,
+                   out.ptr<O>(), out.stride, N, lw.w.cols, bp, bt);
+  };
+  if (x.rows <= 8) go(gemv_fp8_mma_kernel<T, O, 1, EPI>);
+  else if (x.rows <= 16) go(gemv_fp8_mma_kernel<T, O, 2, EPI>);
+  else go(gemv_fp8_mma_kernel<T, O, 4, EPI>);
+}
+
 // Rows [n0, n0 + dst.rows) of w dequantized into dst (fp32 products, rounded to dst's dtype).
 template <typename O>
 __global__ void dequantize_fp8_kernel(const uint8_t* __restrict__ w, int64_t ldw, const float* __restrict__ scale,
@@ -176,19 +357,23 @@ void check_fp8_linear(const Linear& lw) {
             lw.scale.cols, "] for weights [", w.rows, ", ", w.cols, "] need [", rows, ", ", cols, "]");
 }
 
-// Up to max_rows x rows (QWEN_RT_GEMV_ROWS, read at every call, overrides it as for the 16-bit GEMV: 0 sends every
-// FP8 linear to the GEMMs). At 8 rows the GEMV reads the FP8 weights once, where the dequantizing path writes and
-// reads a 16-bit copy of them.
-int gemv_fp8_max_rows(int max_rows) {
-  const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
-  return e ? std::clamp(std::atoi(e), 0, 8) : std::clamp(max_rows, 0, 8);
+// Whether the tensor-core GEMV takes x and w (16-bit x, whole 128-column blocks).
+bool gemv_fp8_mma(const Tensor& x, const Linear& lw) { return x.dtype != DType::F32 && lw.w.cols % kFp8Block == 0; }
+
+int gemv_fp8_rows(const Tensor& x, const Linear& lw, bool w8a8) {
+  return gemv_fp8_mma(x, lw) ? kMmaRows : w8a8 ? 4 : 8;
 }
 
 bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, GemvEpilogue epi,
                      int max_rows, cudaStream_t s) {
   const Tensor& w = lw.w;
   const int64_t xes = int64_t(dtype_size(x.dtype));
-  if (x.rows < 1 || x.rows > gemv_fp8_max_rows(max_rows) || w.cols % 16 != 0 || !aligned16(w.data, w.stride) ||
+  const bool mma = gemv_fp8_mma(x, lw);
+  // QWEN_RT_GEMV_ROWS (read at every call) overrides max_rows as for the 16-bit GEMV (0: every FP8 linear to the
+  // GEMMs).
+  const char* e = std::getenv("QWEN_RT_GEMV_ROWS");
+  const int rows = std::clamp(e ? std::atoi(e) : max_rows, 0, mma ? kMmaRows : 8);
+  if (x.rows < 1 || x.rows > rows || w.cols % 16 != 0 || !aligned16(w.data, w.stride) ||
       !aligned16(x.data, x.stride * xes))
     return false;
   switch (epi) {
@@ -204,13 +389,23 @@ bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tens
   }
   auto go = [&](auto tag) {
     using T = decltype(tag);
+    auto launch = [&](auto out_tag, auto epi_tag, int64_t N, const Tensor* b) {
+      using O = decltype(out_tag);
+      constexpr GemvEpilogue EPI = decltype(epi_tag)::value;
+      if constexpr (!std::is_same_v<T, float>)
+        if (mma) return launch_gemv_mma<T, O, EPI>(x, lw, N, b, out, s);
+      launch_gemv_m<T, O, EPI>(x, lw, N, b, out, s);
+    };
+    using Store = std::integral_constant<GemvEpilogue, GemvEpilogue::Store>;
+    using Add = std::integral_constant<GemvEpilogue, GemvEpilogue::Add>;
+    using SiluMul = std::integral_constant<GemvEpilogue, GemvEpilogue::SiluMul>;
     switch (epi) {
       case GemvEpilogue::Store:
-        if (out.dtype == DType::F32) launch_gemv_m<T, float, GemvEpilogue::Store>(x, lw, w.rows, bias, out, s);
-        else launch_gemv_m<T, T, GemvEpilogue::Store>(x, lw, w.rows, bias, out, s);
+        if (out.dtype == DType::F32) launch(float(), Store(), w.rows, bias);
+        else launch(T(), Store(), w.rows, bias);
         break;
-      case GemvEpilogue::Add: launch_gemv_m<T, T, GemvEpilogue::Add>(x, lw, w.rows, nullptr, out, s); break;
-      case GemvEpilogue::SiluMul: launch_gemv_m<T, T, GemvEpilogue::SiluMul>(x, lw, out.cols, nullptr, out, s); break;
+      case GemvEpilogue::Add: launch(T(), Add(), w.rows, nullptr); break;
+      case GemvEpilogue::SiluMul: launch(T(), SiluMul(), out.cols, nullptr); break;
     }
   };
   dispatch_act(x.dtype, "fp8 gemv", go);

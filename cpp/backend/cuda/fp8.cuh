@@ -9,11 +9,14 @@ namespace qrt::cuda {
 
 // Throws std::runtime_error unless lw is FP8 with float32 scales covering it (ops.h Linear).
 void check_fp8_linear(const Linear& lw);
-// The FP8 GEMV (x rows <= max_rows, unless QWEN_RT_GEMV_ROWS sets it; x F32/F16/BF16) with launch_gemv's
+// The FP8 GEMV (x F32/F16/BF16, at most max_rows rows unless QWEN_RT_GEMV_ROWS sets it) with launch_gemv's
 // epilogues (no norm); returns false (nothing launched) for shapes it does not take (K not a multiple of 16,
 // unaligned rows, more rows).
 bool launch_gemv_fp8(const Tensor& x, const Linear& lw, const Tensor* bias, Tensor& out, GemvEpilogue epi,
                      int max_rows, cudaStream_t s);
+// The rows the FP8 GEMV should take for x and lw: 32 in its tensor-core form (16-bit x, K a multiple of 128), else
+// 4 where the W8A8 GEMM (w8a8) takes more rows, else 8.
+int gemv_fp8_rows(const Tensor& x, const Linear& lw, bool w8a8);
 // dst (an activation dtype) = rows [n0, n0 + dst.rows) of lw dequantized (fp32 products, then rounded).
 void launch_dequantize_fp8(const Linear& lw, int64_t n0, Tensor& dst, cudaStream_t s);
 // Backend::quantize_fp8 (src F32/F16/BF16).
