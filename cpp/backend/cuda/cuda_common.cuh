@@ -40,6 +40,16 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {
   return v;
 }
 
+// 16 bytes global -> shared, asynchronously, cached in L2 only (valid false: zeros); a thread's copies land in
+// groups: commit closes one, wait<N> waits until at most N of its groups are in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned sa = unsigned(__cvta_generic_to_shared(smem));
+  const int sz = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(sz));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // c (16 x 8, fp32) += a (16 x 16) b (16 x 8), T = bf16 or f16, in mma.sync m16n8k16's fragment layout.
 template <typename T>
 __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,

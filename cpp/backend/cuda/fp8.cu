@@ -128,11 +128,17 @@ void launch_gemv_m(const Tensor& x, const Linear& lw, int64_t N, const Tensor* b
 // mma.sync m16n8k16 (the weights converted to x's dtype in registers, exactly; fp32 accumulation); each 128-column
 // block's products are summed alone, then scaled by that block's weight scales. Lane (g, t) = (lane / 4, lane % 4)
 // reads 16 contiguous weights of rows g and g + 8 and the same 16 columns of x row g: the mma's k order is a
-// permutation of the columns, the same for both operands. Two stages of weights are in flight while a warp computes.
-// The warps' sums meet in shared memory in a fixed order: row m's arithmetic depends neither on M nor on the other
-// rows (batch invariance among M <= kMmaRows).
+// permutation of the columns, the same for both operands. Each lane streams its own weights through a ring of
+// stages in shared memory (cp.async: stages - 1 blocks in flight, no registers held, no barrier). The warps' sums
+// meet in shared memory in a fixed order: row m's arithmetic depends neither on M nor on the other rows (batch
+// invariance among M <= kMmaRows).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRows = 32;
+// Ring stages: a stage is one 128-column block, 64 bytes a lane per 16-row tile.
+constexpr int mma_stages(GemvEpilogue epi) { return epi == GemvEpilogue::SiluMul ? 4 : 6; }
+constexpr size_t mma_smem(GemvEpilogue epi) {
+  return size_t(mma_stages(epi)) * (epi == GemvEpilogue::SiluMul ? 2 : 1) * 4 * 16 * kMmaWarps * 32;
+}
 
 // Two e4m3 (bits 0-15 of v) as a pair of T, exactly.
 template <typename T> __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t v);
@@ -156,15 +162,16 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 
 // NT: 8-row tiles of x (M <= 8 * NT).
 template <typename T, typename O, int NT, GemvEpilogue EPI>
-__global__ void __launch_bounds__(kMmaWarps * 32, (EPI == GemvEpilogue::SiluMul ? 2 : 1) * NT <= 2 ? 4 : 2)
+__global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_fp8_mma_kernel(const T* __restrict__ x, int64_t ldx, int M, const uint8_t* __restrict__ w, int64_t ldw,
                         const float* __restrict__ scale, int64_t lds, int shift, O* __restrict__ out, int64_t ldo,
                         int64_t N, int64_t K, const void* bias, DType bias_t) {
   constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
-  constexpr int R = GATED ? 2 : 1;             // 16-row tiles: rows n0 + [0, 16) (and n0 + N + [0, 16))
-  constexpr int S = R * NT >= 2 ? 1 : 2;        // 128-column blocks per stage
-  using Stage = uint4[S][2][R][2];              // [block][64-column half][tile][row g, g + 8]
-  __shared__ float part[kMmaWarps][R][NT * 8][16];
+  constexpr int R = GATED ? 2 : 1;  // 16-row tiles: rows n0 + [0, 16) (and n0 + N + [0, 16))
+  constexpr int P = R * 4;          // a lane's 16-byte pieces per block: [tile][row g, g + 8][64-column half]
+  constexpr int STAGES = mma_stages(EPI);
+  extern __shared__ uint4 ring[];   // [stage][piece][thread]; after the loop, part
+  static_assert(sizeof(float) * kMmaWarps * R * NT * 8 * 16 <= mma_smem(EPI), "part fits the ring");
   grid_release();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t n0 = int64_t(blockIdx.x) * 16;
@@ -180,16 +187,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32, (EPI == GemvEpilogue::SiluMul 
     }
   const int blocks = int(K / kFp8Block), per = (blocks + kMmaWarps - 1) / kMmaWarps;
   const int b_begin = min(warp * per, blocks), b_end = min(b_begin + per, blocks);
-  auto load = [&](int b, Stage& st) {
+  auto slot = [&](int b, int piece) -> uint4& {
+    return ring[(((b - b_begin) % STAGES) * P + piece) * (kMmaWarps * 32) + threadIdx.x];
+  };
+  // Block b's pieces into its stage (none past b_end), one commit group either way.
+  auto issue = [&](int b) {
+    if (b < b_end)
 #pragma unroll
-    for (int s = 0; s < S; ++s)
-      if (b + s < b_end)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int c = 0; c < 2; ++c)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) st[s][c][r][h] = load_weight(wr[r][h] + (b + s) * kFp8Block + c * 64);
+          for (int c = 0; c < 2; ++c) cp_async16(&slot(b, (r * 2 + h) * 2 + c), wr[r][h] + b * kFp8Block + c * 64, true);
+    cp_async_commit();
   };
   const T* xr[NT];
 #pragma unroll
@@ -201,62 +211,60 @@ __global__ void __launch_bounds__(kMmaWarps * 32, (EPI == GemvEpilogue::SiluMul 
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
-  auto compute = [&](int b, const Stage& st) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      const int kb = b + s;
-      if (kb >= b_end) break;
-      float p[R][NT][4];
+  for (int s = 0; s < STAGES - 1; ++s) issue(b_begin + s);  // weights: before the wait
+  grid_wait();
+  for (int b = b_begin; b < b_end; ++b) {
+    uint4 xv[NT][2][2];  // [x tile][64-column half][16-byte piece]
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        uint4 xv[NT][2];
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4* xp = reinterpret_cast<const uint4*>(xr[j] + kb * kFp8Block + c * 64);
-          xv[j][0] = xp[0];
-          xv[j][1] = xp[1];
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint32_t lo = word(st[s][c][r][0], q), hi = word(st[s][c][r][1], q);
-            const uint32_t a0 = e4m3x2_to<T>(lo), a2 = e4m3x2_to<T>(lo >> 16);
-            const uint32_t a1 = e4m3x2_to<T>(hi), a3 = e4m3x2_to<T>(hi >> 16);
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-              mma16816<T>(p[r][j], a0, a1, a2, a3, word(xv[j][q >> 1], 2 * (q & 1)),
-                          word(xv[j][q >> 1], 2 * (q & 1) + 1));
-          }
+        const uint4* xp = reinterpret_cast<const uint4*>(xr[j] + b * kFp8Block + c * 64);
+        xv[j][c][0] = xp[0];
+        xv[j][c][1] = xp[1];
       }
+    cp_async_wait<STAGES - 2>();  // block b landed
+    uint4 wv[P];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float s0 = __ldg(sr[r][0] + kb), s1 = __ldg(sr[r][1] + kb);
+    for (int i = 0; i < P; ++i) wv[i] = slot(b, i);
+    issue(b + STAGES - 1);  // into the stage block b - 1 left
+    float p[R][NT][4];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          acc[r][j][0] = fmaf(p[r][j][0], s0, acc[r][j][0]);
-          acc[r][j][1] = fmaf(p[r][j][1], s0, acc[r][j][1]);
-          acc[r][j][2] = fmaf(p[r][j][2], s1, acc[r][j][2]);
-          acc[r][j][3] = fmaf(p[r][j][3], s1, acc[r][j][3]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t lo = word(wv[(r * 2 + 0) * 2 + c], q), hi = word(wv[(r * 2 + 1) * 2 + c], q);
+          const uint32_t a0 = e4m3x2_to<T>(lo), a2 = e4m3x2_to<T>(lo >> 16);
+          const uint32_t a1 = e4m3x2_to<T>(hi), a3 = e4m3x2_to<T>(hi >> 16);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+            mma16816<T>(p[r][j], a0, a1, a2, a3, word(xv[j][c][q >> 1], 2 * (q & 1)),
+                        word(xv[j][c][q >> 1], 2 * (q & 1) + 1));
         }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s0 = __ldg(sr[r][0] + b), s1 = __ldg(sr[r][1] + b);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[r][j][0] = fmaf(p[r][j][0], s0, acc[r][j][0]);
+        acc[r][j][1] = fmaf(p[r][j][1], s0, acc[r][j][1]);
+        acc[r][j][2] = fmaf(p[r][j][2], s1, acc[r][j][2]);
+        acc[r][j][3] = fmaf(p[r][j][3], s1, acc[r][j][3]);
       }
     }
-  };
-  Stage st0, st1;
-  load(b_begin, st0);  // weights: before the wait
-  grid_wait();
-  for (int b = b_begin; b < b_end; b += 2 * S) {
-    load(b + S, st1);
-    compute(b, st0);
-    load(b + 2 * S, st0);
-    compute(b + S, st1);
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: the warps' sums meet in it
+  float(*part)[R][NT * 8][16] = reinterpret_cast<float(*)[R][NT * 8][16]>(ring);
   // c[e] is (row g + 8 * (e / 2), x row 2t + e % 2) of the tile.
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -292,8 +300,11 @@ template <typename T, typename O, GemvEpilogue EPI>
 void launch_gemv_mma(const Tensor& x, const Linear& lw, int64_t N, const Tensor* bias, Tensor& out, cudaStream_t s) {
   const void* bp = bias ? bias->data : nullptr;
   const DType bt = bias ? bias->dtype : DType::F32;
+  constexpr size_t smem = mma_smem(EPI);
   auto go = [&](auto kernel) {
-    launch_chained(kernel, ceil_div(N, 16), kMmaWarps * 32, 0, s, x.ptr<T>(), x.stride, int(x.rows),
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "fp8 gemv (smem attribute)");
+    launch_chained(kernel, ceil_div(N, 16), kMmaWarps * 32, smem, s, x.ptr<T>(), x.stride, int(x.rows),
                    lw.w.ptr<uint8_t>(), lw.w.stride, lw.scale.ptr<float>(), lw.scale.stride, lw.scale_row_shift,
                    out.ptr<O>(), out.stride, N, lw.w.cols, bp, bt);
   };
