@@ -3,7 +3,7 @@ real config), taken with torch.profiler (CUPTI sees the plugin's kernels too): a
 less a call of the prefill alone. CUDA graphs are off so every kernel is recorded by name; the step time
 with graphs on is printed beside it.
 
-    python tools/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt]
+    python tools/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt] [--quantization fp8]
         [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
         [--prompt-len 4096]   (the whole prefill is one step, so that every decode step has the full batch)
 """
@@ -28,13 +28,15 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--quantization", default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     lines = []
     for graphs in (True, False):
         with qwen_rt.Generator(a.model, device="cuda", dtype="bfloat16", load_format="dummy", progress=False,
                                max_batch_size=max(a.batch, 8), max_model_len=a.prompt_len + a.tokens + 16,
-                               max_num_batched_tokens=max(2048, a.batch * a.prompt_len), cuda_graphs=graphs) as g:
+                               max_num_batched_tokens=max(2048, a.batch * a.prompt_len), cuda_graphs=graphs,
+                               quantization=a.quantization) as g:
             V = g.config["vocab_size"]
             prompts = [rng.integers(10, V - 10, size=a.prompt_len).tolist() for _ in range(a.batch)]
             sampling = dict(temperature=a.temperature, top_p=a.top_p)
