@@ -1082,6 +1082,8 @@ def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
         assert out.shape == ref.shape and rel(out, ref) < TOL[act], (op, kw.keys())
     if gemv_rows != "0" and fp8_gemv_takes(act, m, k):  # batch invariance: each row alone gives the same bits
         out = np.asarray(h.fp8_linear("linear", x, q, s, shift))
+        # (The tensor-core form runs from 2 rows by default, the CUDA-core form at 1: one row through the former.)
+        monkeypatch.setenv("QWEN_RT_FP8_GEMV_MMA_FROM", "1" if m > 1 else "2")
         for r in sorted({0, m // 2, m - 1}):
             np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[r:r + 1], q, s, shift)), out[r:r + 1])
 
