@@ -183,3 +183,25 @@ def test_top20_divergence_compares_positions_while_greedy_tokens_agree():
     assert (agree, steps) == (2, 3) and len(kls) == 2 and kls[0] == 0.0
     assert math.isclose(kls[1], 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5))
     assert math.isclose(gaps[1], abs(math.log(0.6) - math.log(0.5)))
+
+
+def test_gemm_shapes_are_the_fused_linears_the_runtime_stores():
+    """--parts gemm times the linears as the runtime stores them: gated attention's q|k|v|gate, DeltaNet's
+    q|k|v|z, gate|up (from the packaged configs)."""
+    from qwen_rt.bench_gpu import gemm_shapes
+    hybrid = dict((name, (n, k)) for name, n, k in gemm_shapes("qwen3.8-27b"))
+    assert hybrid == {"attention q|k|v|gate": (24 * 256 * 2 + 2 * 4 * 256, 5120), "attention o": (5120, 6144),
+                      "mlp gate|up": (2 * 17408, 5120), "mlp down": (5120, 17408),
+                      "deltanet q|k|v|z": (2 * 16 * 128 + 2 * 48 * 128, 5120), "deltanet out": (5120, 48 * 128)}
+    dense = dict((name, (n, k)) for name, n, k in gemm_shapes("qwen3-8b"))
+    assert dense["attention q|k|v"] == (32 * 128 + 2 * 8 * 128, 4096) and "deltanet out" not in dense
+
+
+def test_time_linear_times_bf16_and_fp8_weights_and_refuses_others():
+    from qwen_rt import _core
+    h = _core.OpHarness("cpu", "float32")
+    assert h.time_linear(3, 48, 256, "fp8", 2) > 0 and h.time_linear(3, 48, 256, "act", 2) > 0
+    with pytest.raises(ValueError, match="fp8 or act"):
+        h.time_linear(3, 48, 256, "int4", 2)
+    with pytest.raises(ValueError, match="positive"):
+        h.time_linear(0, 48, 256, "fp8", 2)

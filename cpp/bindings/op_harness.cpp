@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <optional>
 
 #include "backend/ops.h"
@@ -249,6 +250,32 @@ void bind_op_harness(nb::module_& m) {
       // An FP8 linear (w: values exactly representable in e4m3, scale fp32 [ceil(N / 2^row_shift), ceil(K / 128)])
       // through op: linear, linear_add (onto res), norm_linear (norm_w None: a unit gain), linear_silu_mul or
       // norm_linear_silu_mul.
+      // Seconds per call of linear (x [m, k] times w [n, k]^T, no bias) on random device data: weights "fp8"
+      // (block-128 e4m3 from random values) or the activation dtype; after one call, `repeats` calls timed together
+      // (the bench's GEMM-alone figure; every kernel the linear launches is counted).
+      .def("time_linear",
+           [](OpHarness& h, int64_t m, int64_t n, int64_t k, const std::string& weights, int repeats) {
+             QRT_CHECK_ARG(m > 0 && n > 0 && k > 0 && repeats > 0, "time_linear: sizes and repeats must be positive");
+             QRT_CHECK_ARG(weights == "fp8" || weights == "act", "time_linear: weights are fp8 or act, not ", weights);
+             const int64_t B = kFp8Block;
+             Dev x = h.empty(m, k, h.act()), w = h.empty(n, k, h.act()), o = h.empty(m, n, h.act());
+             h.be().fill_random(x.t, 1, 1.0f, 0.f, 0, 0);
+             h.be().fill_random(w.t, 2, 0.05f, 0.f, 0, 0);
+             Linear lin{w.t, {}, 7};
+             std::optional<Dev> q, sc;
+             if (weights == "fp8") {
+               q = h.empty(n, k, DType::F8E4M3);
+               sc = h.empty((n + B - 1) / B, (k + B - 1) / B, DType::F32);
+               h.be().quantize_fp8(w.t, q->t, sc->t);
+               lin = Linear{q->t, sc->t, 7};
+             }
+             h.be().linear(x.t, lin, nullptr, o.t);
+             h.be().synchronize();
+             const auto t0 = std::chrono::steady_clock::now();
+             for (int i = 0; i < repeats; ++i) h.be().linear(x.t, lin, nullptr, o.t);
+             h.be().synchronize();
+             return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / repeats;
+           }, "m"_a, "n"_a, "k"_a, "weights"_a = "act", "repeats"_a = 20)
       .def("fp8_linear",
            [](OpHarness& h, const std::string& op, F32In x, F32In w, F32In scale, int shift,
               std::optional<F32In> bias, std::optional<F32In> res, std::optional<F32In> norm_w, float eps,

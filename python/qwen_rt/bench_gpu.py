@@ -11,6 +11,8 @@ Figures:
             with the bf16 and/or the fp8 KV cache
   kvfp8     the fp8 KV cache's error against the bf16 cache: logprobs of the same greedy continuations
   spec      speculative decoding (MTP): step costs against plain decode, tok/s projected at published acceptance
+  gemm      one linear alone on a model's shapes (TP 1) at several row counts: bf16 weights and FP8 (block-128;
+            every kernel the FP8 linear launches counted), TFLOP/s
   hf        transformers (sdpa; dynamic cache, static cache, static cache compiled) batch-1 and batch-N
             decode on the same config; with decode, qwen_rt against the fastest of them (end to end)
 """
@@ -392,6 +394,46 @@ def bench_fp8_weights(model: str, limits: dict, rng, prefill_len: int = 8192, kl
     return rows
 
 
+def gemm_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(linear, N, K) of each distinct linear of a packaged model at TP 1, fused as the runtime stores them (q|k|v
+    with the output gate of gated attention, gate|up; DeltaNet's q|k|v|z), the LM head left out."""
+    cfg = json.loads((Path(__file__).parent / "configs" / f"{model}.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nq
+    hybrid = "linear_num_value_heads" in cfg
+    shapes = [("attention q|k|v" + ("|gate" if hybrid else ""), nq * hd * (2 if hybrid else 1) + 2 * nkv * hd, H),
+              ("attention o", H, nq * hd), ("mlp gate|up", 2 * inter, H), ("mlp down", H, inter)]
+    if hybrid:
+        qk = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+        vn = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+        shapes += [("deltanet q|k|v|z", 2 * qk + 2 * vn, H), ("deltanet out", H, vn)]
+    return shapes
+
+
+def bench_gemm(model: str, rows, repeats: int = 20) -> list[dict]:
+    """Each linear of gemm_shapes(model) alone (the op harness: random device data, `repeats` calls timed together
+    after one), bf16 and FP8 weights, at each row count: ms a call and TFLOP/s (2 M N K). FP8 counts what the FP8
+    linear launches at that size (at 1024 rows and more: the activations' quantization, the scales' transpose and the
+    W8A8 GEMM)."""
+    from qwen_rt import _core
+    h = _core.OpHarness("cuda", "bfloat16")
+    out = []
+    for name, n, k in gemm_shapes(model):
+        for m in rows:
+            row = {"model": model, "linear": name, "m": m, "n": n, "k": k}
+            for w in ("act", "fp8"):
+                sec = h.time_linear(m, n, k, w, repeats)
+                tag = "bf16" if w == "act" else "fp8"
+                row[f"{tag}_ms"] = round(sec * 1e3, 4)
+                row[f"{tag}_tflops"] = round(2 * m * n * k / sec / 1e12, 1)
+            row["fp8_over_bf16"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
+            log(row)
+            out.append(row)
+    return out
+
+
 # Published acceptance of Qwen's MTP drafts for this architecture, per draft position (the projection's inputs).
 MTP_ACCEPTANCE = (0.885, 0.740)
 
@@ -533,6 +575,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-caches", default="dynamic,static,static+compile", help="dynamic, static, static+compile")
     p.add_argument("--startup-models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--spec-model", default="qwen3.8-27b")
+    p.add_argument("--gemm-model", default="qwen3.8-27b", help="--parts gemm: the model whose linears are timed")
+    p.add_argument("--gemm-rows", default="1,8,32,1024,4096,8192", help="--parts gemm: x rows")
     p.add_argument("--spec-batches", default="1,8,32")
     p.add_argument("--spec-tokens", default="1,2", help="speculative_tokens values besides 0")
     p.add_argument("--longctx-model", default="qwen3.8-27b")
@@ -596,6 +640,9 @@ def run(args) -> int:
                                  [int(x) for x in args.spec_tokens.split(",") if x], args.prompt_len,
                                  max(args.new_tokens, 8), rng)
         print_table(rec["spec"])
+    if "gemm" in parts:
+        rec["gemm"] = bench_gemm(args.gemm_model, [int(x) for x in args.gemm_rows.split(",")])
+        print_table(rec["gemm"])
     if "longctx" in parts:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
