@@ -6,6 +6,9 @@ with graphs on is printed beside it.
     python tools/profile_decode.py --model qwen3-8b --batch 1 [--tokens 32] [--out table.txt] [--quantization fp8]
         [--temperature 0.8 --top-p 0.95]   (the offline bench's sampling; default greedy)
         [--prompt-len 4096]   (the whole prefill is one step, so that every decode step has the full batch)
+
+Run it with QWEN_RT_PDL=0: chained launches start a kernel before the one ahead of it ends, and the profiler counts
+that wait in the kernel's time (session 28's FP8 profiles: 34.6 ms of kernels in a 12.6 ms step).
 """
 from __future__ import annotations
 
