@@ -200,7 +200,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) cp_async16(&slot(b, (r * 2 + h) * 2 + c), wr[r][h] + b * kFp8Block + c * 64, true);
+          for (int c = 0; c < 2; ++c)
+            cp_async16(&slot(b, (r * 2 + h) * 2 + c), wr[r][h] + b * kFp8Block + c * 64, true);
     cp_async_commit();
   };
   const T* xr[NT];
