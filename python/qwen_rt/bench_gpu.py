@@ -613,59 +613,65 @@ def run(args) -> int:
     torch = _torch()
     rec = {"device": torch.cuda.get_device_name(0), "limits": limits, "date": time.strftime("%Y-%m-%d"),
            "commit": _git_commit(), "quantization": QUANT}
+    def done(part):  # prints a part's table; with --json, the record so far goes to <json>.partial
+        print_table(rec[part])
+        if args.json:
+            Path(args.json + ".partial").write_text(json.dumps(rec) + "\n")
+
     batches = [int(x) for x in args.decode_batches.split(",")]
     if "decode" in parts:
         rec["decode"] = []
         for m in args.models.split(","):
             rec["decode"] += bench_decode(m, batches, args.prompt_len, args.new_tokens, limits, rng,
                                           args.decode_max_model_len)
-        print_table(rec["decode"])
+        done("decode")
     if "hf" in parts:
         rec["hf"] = bench_hf(args.hf_model, batches, args.prompt_len, args.new_tokens, rng, args.hf_caches.split(","))
-        print_table(rec["hf"])
+        done("hf")
         if rec.get("decode"):
             rec["vs_hf"] = side_by_side(rec["decode"], rec["hf"])
-            print_table(rec["vs_hf"])
+            done("vs_hf")
     if "offline" in parts:
         rec["offline"] = bench_offline(args.offline_model, limits, rng, n_random=args.offline_random)
-        print_table(rec["offline"])
+        done("offline")
     if "prefix" in parts:
         rec["prefix"] = bench_prefix(args.offline_model, rng)
-        print_table(rec["prefix"])
+        done("prefix")
     if "prefill" in parts:
         rec["prefill"] = bench_prefill(args.prefill_model, [int(x) for x in args.prefill_lengths.split(",")], limits, rng)
-        print_table(rec["prefill"])
+        done("prefill")
     if "spec" in parts:
         rec["spec"] = bench_spec(args.spec_model, [int(x) for x in args.spec_batches.split(",")],
                                  [int(x) for x in args.spec_tokens.split(",") if x], args.prompt_len,
                                  max(args.new_tokens, 8), rng)
-        print_table(rec["spec"])
+        done("spec")
     if "gemm" in parts:
         rec["gemm"] = bench_gemm(args.gemm_model, [int(x) for x in args.gemm_rows.split(",")])
-        print_table(rec["gemm"])
+        done("gemm")
     if "longctx" in parts:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
                                        max(args.new_tokens, 8), args.longctx_offload, rng,
                                        args.longctx_synthetic_from, args.longctx_kv.split(","))
-        print_table(rec["longctx"])
+        done("longctx")
     if "fp8" in parts:
         rec["fp8"] = bench_fp8_weights(args.fp8_model, limits, rng)
-        print_table(rec["fp8"])
+        done("fp8")
     if "kvfp8" in parts:
         rec["kvfp8"] = bench_kv_fp8(args.kvfp8_model, [int(x) for x in args.kvfp8_lengths.split(",")],
                                     max(args.new_tokens, 16), rng)
-        print_table(rec["kvfp8"])
+        done("kvfp8")
     if "startup" in parts:
         rec["startup"] = []
         for m in args.startup_models.split(","):
             rec["startup"] += bench_startup(m, rng)
-        print_table(rec["startup"])
+        done("startup")
     line = json.dumps(rec)
     print(line)
     if args.json:
         with open(args.json, "a") as f:
             f.write(line + "\n")
+        Path(args.json + ".partial").unlink(missing_ok=True)
     if args.plot:
         from qwen_rt.bench_plot import plot_record
         plot_record(rec, args.plot)
