@@ -1,7 +1,9 @@
 """qwen_rt's build backend: scikit-build-core's, plus the CUDA plugin's libraries (pip's nvidia-cublas and
 nvidia-nccl-cu13: headers to compile against, libraries to link) as build requirements where the build will look
 for them, that is, where nvcc is and QWEN_RT_CUDA is not OFF. So `pip install .` and `pip wheel .` on a machine
-with nvcc build the plugin under pip's build isolation, without the user installing those first."""
+with nvcc build the plugin under pip's build isolation, without the user installing those first. Elsewhere (no
+plugin) the wheel and its prepared metadata leave those libraries out of the dependencies (cuda_requirements.py):
+a CPU-only install does not download them."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,8 @@ import shutil
 
 from scikit_build_core import build as _scikit_build
 from scikit_build_core.build import *  # noqa: F401,F403 - the PEP 517 hooks this module does not change
+
+import cuda_requirements
 
 CUDA_BUILD_REQUIREMENTS = ["nvidia-cublas>=13,<14", "nvidia-nccl-cu13>=2.27"]
 
@@ -30,3 +34,35 @@ def get_requires_for_build_wheel(config_settings=None) -> list[str]:
 def get_requires_for_build_editable(config_settings=None) -> list[str]:
     extra = CUDA_BUILD_REQUIREMENTS if _builds_cuda() else []
     return list(_scikit_build.get_requires_for_build_editable(config_settings)) + extra
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
+    name = _scikit_build.prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+    if not _builds_cuda():
+        cuda_requirements.drop_in_dist_info(os.path.join(metadata_directory, name))
+    return name
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None) -> str:
+    name = _scikit_build.prepare_metadata_for_build_editable(metadata_directory, config_settings)
+    if not _builds_cuda():
+        cuda_requirements.drop_in_dist_info(os.path.join(metadata_directory, name))
+    return name
+
+
+# Without the plugin, scikit-build-core writes the wheel's metadata itself (it would refuse the prepared metadata,
+# which differs from its own), and the wheel is then rewritten to match the prepared metadata.
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
+    if _builds_cuda():
+        return _scikit_build.build_wheel(wheel_directory, config_settings, metadata_directory)
+    name = _scikit_build.build_wheel(wheel_directory, config_settings, None)
+    cuda_requirements.drop_in_wheel(os.path.join(wheel_directory, name))
+    return name
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None) -> str:
+    if _builds_cuda():
+        return _scikit_build.build_editable(wheel_directory, config_settings, metadata_directory)
+    name = _scikit_build.build_editable(wheel_directory, config_settings, None)
+    cuda_requirements.drop_in_wheel(os.path.join(wheel_directory, name))
+    return name
