@@ -107,6 +107,7 @@ struct Flight {
   bool needs_tokens = false;
   std::vector<int32_t> sampled;                // the step's tokens, one per sampled sequence
   std::vector<std::unique_ptr<Request>> retired;  // finished while this step was in flight
+  std::vector<int> read_frames, written_frames;    // with a host tier: the frames the step reads and writes
 };
 
 struct Sim {
@@ -118,7 +119,8 @@ struct Sim {
   // With a host tier (kv/tiers.h): the device reads and writes frames, and the tags move with the frames' rows.
   std::unique_ptr<TierMap> tiers;
   int device_frames = 0;
-  int64_t frame_moves = 0;
+  int64_t frame_moves = 0, beside_moves = 0;
+  const Flight* in_flight = nullptr;  // the step that may still run while the next one is launched
   // Speculation (opt.speculative_tokens): drafts made as the engine's draft() makes them, each token the right one
   // half of the time; drafted and confirmed counts.
   uint64_t draft_rng = 1;
@@ -290,6 +292,19 @@ struct Sim {
     f.seqs = p.seqs;
     f.input = p.input;
     const PageMoves m = tiers->prepare(f.input, sched->pool().take_dropped(), ps);
+    // Copies that run beside the step in flight (PageMoves::beside) neither write a frame it reads or writes nor
+    // read a frame it writes.
+    if (m.beside && in_flight) {
+      auto used = [](const std::vector<int>& v, int frame) { return std::find(v.begin(), v.end(), frame) != v.end(); };
+      for (const auto* list : {&m.out, &m.in})
+        for (const auto& [from, to] : *list) {
+          if (used(in_flight->read_frames, to) || used(in_flight->written_frames, to))
+            FAIL("a copy beside the step in flight writes frame %d, which that step uses", to);
+          if (used(in_flight->written_frames, from))
+            FAIL("a copy beside the step in flight reads frame %d, which that step writes", from);
+          beside_moves++;
+        }
+    }
     for (const auto* list : {&m.out, &m.in})
       for (const auto& [from, to] : *list) {
         if ((list == &m.out) != (from < device_frames && to > device_frames)) FAIL("a move between the wrong tiers");
@@ -306,7 +321,18 @@ struct Sim {
     check_plan(plan);
     auto f = std::make_unique<Flight>();
     f->plan = std::move(plan);
-    f->sampled = run_on_device(tiers ? framed(f->plan) : f->plan);
+    if (tiers) {
+      const Plan fp = framed(f->plan);
+      const int ps = opt.page_size;
+      const StepInput& in = fp.input;
+      for (int q = 0; q < in.num_seqs(); ++q)
+        for (int c = 0; c < (in.ctx_len[size_t(q)] + ps - 1) / ps; ++c)
+          f->read_frames.push_back(in.page_table[size_t(q) * size_t(in.max_pages) + size_t(c)]);
+      for (int32_t row : in.kv_rows) f->written_frames.push_back(row / ps);
+      f->sampled = run_on_device(fp);
+    } else {
+      f->sampled = run_on_device(f->plan);
+    }
     if (!f->sampled.empty()) device_sampled = f->sampled;
     for (auto& s : f->plan.seqs) {
       const Request& q = *s.req;
@@ -393,7 +419,9 @@ struct Sim {
       complete(std::move(launched)), worked = true;
     Plan plan = sched->plan();
     std::unique_ptr<Flight> before = std::move(launched);
+    in_flight = before.get();
     if (!plan.empty()) launched = launch(std::move(plan)), worked = true;
+    in_flight = nullptr;
     if (before) complete(std::move(before)), worked = true;
     return worked;
   }
@@ -401,7 +429,7 @@ struct Sim {
 
 struct Totals {
   int64_t preemptions = 0, cached_tokens = 0, shared_reads = 0, state_restores = 0, frame_moves = 0, drafted = 0,
-          confirmed = 0;
+          confirmed = 0, beside_moves = 0;
 };
 
 // One random configuration and workload; adds its counts to t.
@@ -526,6 +554,7 @@ void run_seed(uint64_t seed, Totals& t) {
   t.shared_reads += sim.shared_reads;
   t.state_restores += sim.state_restores;
   t.frame_moves += sim.frame_moves;
+  t.beside_moves += sim.beside_moves;
   t.drafted += sim.drafted;
   t.confirmed += sim.confirmed;
 }
@@ -539,8 +568,9 @@ int main(int argc, char** argv) {
   if (g_failed) return 1;
   std::printf("ok (%lld preemptions, %lld prompt tokens from the prefix cache, %lld rows read from pages another "
               "request wrote, %lld states restored from snapshots, %lld frames moved between KV tiers, %lld draft "
-              "tokens fed, %lld confirmed)\n",
+              "tokens fed, %lld confirmed, %lld frames moved beside the step in flight)\n",
               (long long)t.preemptions, (long long)t.cached_tokens, (long long)t.shared_reads,
-              (long long)t.state_restores, (long long)t.frame_moves, (long long)t.drafted, (long long)t.confirmed);
+              (long long)t.state_restores, (long long)t.frame_moves, (long long)t.drafted, (long long)t.confirmed,
+              (long long)t.beside_moves);
   return 0;
 }

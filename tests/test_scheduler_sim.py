@@ -3,7 +3,8 @@
 read is checked, outputs equal each request's run alone, no page or slot leaks, and requests that share a prefix
 share its cached pages without writing into them; with a recurrent state (hybrid models), every step starts each
 sequence from a state of exactly its own tokens (a snapshot restored on a hit); with a host tier (kv/tiers.h), steps
-write device frames only and read every page where its frame is, after the frames' moves; with speculation, drafts
+write device frames only and read every page where its frame is, after the frames' moves, and the moves marked to
+run beside the step in flight never touch a frame it uses; with speculation, drafts
 (right half of the time) are fed, verified and rolled back as the engine does, and outputs stay the run alone's."""
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_scheduler_simulation(tmp_path):
     assert counts[1] > 0 and counts[2] > 0, r.stdout
     # State models (hybrid): prefix hits resumed from state snapshots.
     assert counts[3] > 0, r.stdout
-    # Host tiers: frames moved between the tiers.
-    assert counts[4] > 0, r.stdout
+    # Host tiers: frames moved between the tiers, some beside the step in flight (checked: never a frame it uses).
+    assert counts[4] > 0 and counts[7] > 0, r.stdout
     # Speculation: draft tokens fed, and confirmed where they were the run alone's.
     assert counts[5] > 0 and 0 < counts[6] < counts[5], r.stdout

@@ -225,6 +225,15 @@ class Backend {
   virtual void copy_segments(const std::vector<CopySegment>& segs) {
     for (const CopySegment& s : segs) copy(s.dst, s.src, s.bytes);
   }
+  // A step's KV page moves (kv/tiers.h PageMoves), called before every step of a model with a host tier (also with
+  // none: the call marks where the step's work begins): copy_segments(out), then copy_segments(in). beside: they
+  // may run beside the work enqueued since the previous call (on a stream of their own) instead of after it; the
+  // work enqueued after them still waits for them.
+  virtual void move_pages(const std::vector<CopySegment>& out, const std::vector<CopySegment>& in, bool beside) {
+    (void)beside;
+    if (!out.empty()) copy_segments(out);
+    if (!in.empty()) copy_segments(in);
+  }
   virtual void synchronize() = 0;
   // Free and total memory of the device, for sizing the KV pool.
   virtual void memory_info(size_t* free_bytes, size_t* total_bytes) = 0;

@@ -700,7 +700,7 @@ std::unique_ptr<Engine::Impl::Flight> Engine::Impl::launch(Plan plan) {
   Tensor logits;
   on_ranks([&](int r, Rank& rk) {
     test_fail_rank(r);
-    if (!moves.empty()) rk.kv->move(moves);
+    if (tiers) rk.kv->move(moves);
     // State models: a prefix hit's slot resumes from its snapshot; a prompt's state is snapshotted where its
     // chunk ended at a snapshot boundary (stream-ordered around the step).
     for (const auto& s : p.seqs) {
@@ -847,7 +847,7 @@ void Engine::Impl::draft(const Plan& plan) {
     if (tiers) moves = to_frames(in);
     Tensor logits;
     on_ranks([&](int r, Rank& rk) {
-      if (!moves.empty()) rk.kv->move(moves);
+      if (tiers) rk.kv->move(moves);
       Tensor l = rk.model->draft(in, hidden, from_draft, *rk.kv);
       if (r == 0) logits = l;
     });

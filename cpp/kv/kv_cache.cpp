@@ -90,7 +90,7 @@ void KvCache::fill_random(uint64_t seed) {
 void KvCache::move(const PageMoves& moves) {
   const size_t page = size_t(f_.page_size) * f_.row_bytes(), scales = size_t(f_.page_size) * f_.scale_row_bytes();
   const size_t summary = 2 * size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
-  auto copy_all = [&](const std::vector<std::pair<int, int>>& list) {
+  auto segments = [&](const std::vector<std::pair<int, int>>& list) {
     std::vector<CopySegment> segs;
     for (const auto& [from, to] : list)
       for (int l = 0; l < f_.layers; ++l) {
@@ -99,10 +99,9 @@ void KvCache::move(const PageMoves& moves) {
           for (int what = 2; what < 4; ++what) segs.push_back({rows(l, what, to), rows(l, what, from), scales});
         if (f_.summaries) segs.push_back({summary_rows(l, to), summary_rows(l, from), summary});
       }
-    if (!segs.empty()) be_.copy_segments(segs);
+    return segs;
   };
-  copy_all(moves.out);
-  copy_all(moves.in);
+  be_.move_pages(segments(moves.out), segments(moves.in), moves.beside);
 }
 
 }  // namespace qrt

@@ -53,7 +53,8 @@ class KvCache {
   int num_pages() const { return pages_; }  // device frames
   int scratch_row() const { return pages_ * f_.page_size; }
   bool summaries() const { return f_.summaries; }
-  // Copies frames' rows (every layer's K, V, scale and summary rows): moves.out, then moves.in (stream-ordered).
+  // Copies frames' rows (every layer's K, V, scale and summary rows): moves.out, then moves.in (Backend::move_pages:
+  // beside the step before where moves.beside says they may). Called before every step (also without moves).
   void move(const PageMoves& moves);
   // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1); FP8: the e4m3
   // values of that, scale 1), and their summaries to match.

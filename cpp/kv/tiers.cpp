@@ -36,9 +36,10 @@ int TierMap::take_frame(std::vector<int>& free_list) {
 
 PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps) {
   ++step_;
+  std::vector<int> freed;  // frames freed by this prepare: the step before may still use their pages
   for (int page : dropped) {
     const int f = pages_[size_t(page)].frame;
-    if (f >= 0) free_frame(f);
+    if (f >= 0) free_frame(f), freed.push_back(f);
   }
   // The pages this step writes, in order.
   std::vector<int> written;
@@ -52,6 +53,7 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
   int need = 0;
   for (int page : written) need += pages_[size_t(page)].frame < 0 || on_host_frame(pages_[size_t(page)].frame);
   PageMoves moves;
+  moves.beside = true;
   auto is_written = [&](int page) { return std::binary_search(written.begin(), written.end(), page); };
   for (auto it = device_lru_.begin(); int(device_free_.size()) < need;) {
     QRT_CHECK(it != device_lru_.end(), "a step writes more pages than the device tier holds");
@@ -61,6 +63,8 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
       continue;
     }
     const int from = pages_[size_t(page)].frame, to = take_frame(host_free_);
+    moves.beside = moves.beside && pages_[size_t(page)].written + 1 < step_;  // not written by the step before
+    freed.push_back(from);
     it = device_lru_.erase(it);
     frame_page_[size_t(from)] = -1;
     device_free_.push_back(from);
@@ -87,6 +91,10 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
     device_lru_.insert({step_, page});
   }
   host_free_.insert(host_free_.end(), host_vacated.begin(), host_vacated.end());
+  std::sort(freed.begin(), freed.end());
+  for (const auto* list : {&moves.out, &moves.in})
+    for (const auto& [from, to] : *list)
+      moves.beside = moves.beside && !std::binary_search(freed.begin(), freed.end(), to);
   // Pages to frames.
   for (int32_t& row : s.kv_rows) row = pages_[size_t(row / ps)].frame * ps + row % ps;
   for (int32_t& page : s.page_table) {

@@ -21,6 +21,10 @@ namespace qrt {
 // Frame copies before a step: every `out` first (device -> host), then every `in` (host -> device).
 struct PageMoves {
   std::vector<std::pair<int, int>> out, in;  // (from frame, to frame)
+  // Whether the copies may run beside the work prepared just before them (the step before, which may still be
+  // running; everything earlier is done or ordered before them): no copy writes a frame freed by this prepare
+  // (that step may still read or write its page) and no copy reads a page that step writes.
+  bool beside = false;
   bool empty() const { return out.empty() && in.empty(); }
   // The step's pages (every sequence's, whole or partly filled) in each tier once moved: what its attention reads
   // from device frames and, in place, from host memory (sparse decode then reads a selection of them).
