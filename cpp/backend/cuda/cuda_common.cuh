@@ -258,6 +258,19 @@ void launch_silu_mul(const Tensor& gate_up, Tensor& out, cudaStream_t s);
 // a norm with unit_gain, and only when gemv_folds_norms()). Returns false (nothing launched) when the shapes,
 // dtypes or norm are not the GEMV's.
 enum class GemvEpilogue { Store, Add, SiluMul };
+// A GEMV's result for output element n of one x row at o (T: x's dtype): Store s (+ bias[n]); Add s, rounded to O,
+// onto *o; SiluMul silu(s) * s_up of the two rounded to T (what linear, then add or silu_mul, gives).
+template <typename T, typename O, GemvEpilogue EPI>
+__device__ __forceinline__ void gemv_store(O* o, float s, float s_up, const void* bias, DType bias_t, int64_t n) {
+  if constexpr (EPI == GemvEpilogue::SiluMul) {
+    *o = from_f<O>(silu_mul1(to_f(from_f<T>(s)), to_f(from_f<T>(s_up))));
+  } else if constexpr (EPI == GemvEpilogue::Add) {
+    *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
+  } else {
+    const float b = bias ? load_any(bias, bias_t, n) : 0.f;
+    *o = from_f<O>(s + b);
+  }
+}
 // Whether norm_linear GEMVs normalize inside the kernel (QWEN_RT_NORM_GEMV=off: no); models fold the
 // gains into the weights only then.
 bool gemv_folds_norms();

@@ -91,15 +91,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int m = 0; m < M; ++m)
     if (m == lane) s = acc[0][m], s_up = acc[R - 1][m];
-  O* o = out + lane * ldo + n;
-  if constexpr (GATED) {
-    *o = from_f<O>(silu_mul1(to_f(from_f<T>(s)), to_f(from_f<T>(s_up))));
-  } else if constexpr (EPI == GemvEpilogue::Add) {
-    *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
-  } else {
-    const float b = bias ? load_any(bias, bias_t, n) : 0.f;
-    *o = from_f<O>(s + b);
-  }
+  gemv_store<T, O, EPI>(out + lane * ldo + n, s, s_up, bias, bias_t, n);
 }
 
 template <typename T, typename O, GemvEpilogue EPI>
@@ -287,15 +279,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
       for (int k = 0; k < kMmaWarps; ++k) v[r] += part[k][r][m][row];
     }
-    O* o = out + m * ldo + n;
-    if constexpr (GATED) {
-      *o = from_f<O>(silu_mul1(to_f(from_f<T>(v[0])), to_f(from_f<T>(v[R - 1]))));
-    } else if constexpr (EPI == GemvEpilogue::Add) {
-      *o = from_f<O>(to_f(*o) + to_f(from_f<O>(v[0])));
-    } else {
-      const float bv = bias ? load_any(bias, bias_t, n) : 0.f;
-      *o = from_f<O>(v[0] + bv);
-    }
+    gemv_store<T, O, EPI>(out + m * ldo + n, v[0], v[R - 1], bias, bias_t, n);
   }
 }
 

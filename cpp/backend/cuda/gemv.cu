@@ -220,15 +220,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(M))
     const int64_t n = int64_t(g) * kRowsPerGroup + row;
     // The row's result for x row m: the epilogue.
     auto write = [&](int m, float s, float s_up) {
-      O* o = out + m * ldo + n;
-      if constexpr (GATED) {
-        *o = from_f<O>(silu_mul1(to_f(from_f<T>(s)), to_f(from_f<T>(s_up))));
-      } else if constexpr (EPI == GemvEpilogue::Add) {
-        *o = from_f<O>(to_f(*o) + to_f(from_f<O>(s)));
-      } else {
-        const float b = bias ? load_any(bias, bias_t, n) : 0.f;
-        *o = from_f<O>(s + b);
-      }
+      gemv_store<T, O, EPI>(out + m * ldo + n, s, s_up, bias, bias_t, n);
     };
     if constexpr (WPR == 1) {  // the warp holds the whole row: lane m < M writes x row m's result
       if (lane < M && n < N) {
