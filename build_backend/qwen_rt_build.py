@@ -36,33 +36,35 @@ def get_requires_for_build_editable(config_settings=None) -> list[str]:
     return list(_scikit_build.get_requires_for_build_editable(config_settings)) + extra
 
 
-def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
-    name = _scikit_build.prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+# Without the plugin: the prepared metadata and the wheel leave the plugin's libraries out. scikit-build-core then
+# writes the wheel's metadata itself (it would refuse the prepared metadata, which differs from its own), and the
+# wheel is rewritten to match it.
+def _prepare(prepare, metadata_directory, config_settings) -> str:
+    name = prepare(metadata_directory, config_settings)
     if not _builds_cuda():
         cuda_requirements.drop_in_dist_info(os.path.join(metadata_directory, name))
     return name
+
+
+def _build(build, wheel_directory, config_settings, metadata_directory) -> str:
+    if _builds_cuda():
+        return build(wheel_directory, config_settings, metadata_directory)
+    name = build(wheel_directory, config_settings, None)
+    cuda_requirements.drop_in_wheel(os.path.join(wheel_directory, name))
+    return name
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
+    return _prepare(_scikit_build.prepare_metadata_for_build_wheel, metadata_directory, config_settings)
 
 
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None) -> str:
-    name = _scikit_build.prepare_metadata_for_build_editable(metadata_directory, config_settings)
-    if not _builds_cuda():
-        cuda_requirements.drop_in_dist_info(os.path.join(metadata_directory, name))
-    return name
+    return _prepare(_scikit_build.prepare_metadata_for_build_editable, metadata_directory, config_settings)
 
 
-# Without the plugin, scikit-build-core writes the wheel's metadata itself (it would refuse the prepared metadata,
-# which differs from its own), and the wheel is then rewritten to match the prepared metadata.
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
-    if _builds_cuda():
-        return _scikit_build.build_wheel(wheel_directory, config_settings, metadata_directory)
-    name = _scikit_build.build_wheel(wheel_directory, config_settings, None)
-    cuda_requirements.drop_in_wheel(os.path.join(wheel_directory, name))
-    return name
+    return _build(_scikit_build.build_wheel, wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None) -> str:
-    if _builds_cuda():
-        return _scikit_build.build_editable(wheel_directory, config_settings, metadata_directory)
-    name = _scikit_build.build_editable(wheel_directory, config_settings, None)
-    cuda_requirements.drop_in_wheel(os.path.join(wheel_directory, name))
-    return name
+    return _build(_scikit_build.build_editable, wheel_directory, config_settings, metadata_directory)
