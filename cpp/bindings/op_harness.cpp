@@ -247,9 +247,6 @@ void bind_op_harness(nb::module_& m) {
              h.be().linear_add(xd.t, lin, o.t);
              return h.down(o.t);
            }, "x"_a, "w"_a, "out"_a, "w_dtype"_a)
-      // An FP8 linear (w: values exactly representable in e4m3, scale fp32 [ceil(N / 2^row_shift), ceil(K / 128)])
-      // through op: linear, linear_add (onto res), norm_linear (norm_w None: a unit gain), linear_silu_mul or
-      // norm_linear_silu_mul.
       // Seconds per call of linear (x [m, k] times w [n, k]^T, no bias) on random device data: weights "fp8"
       // (block-128 e4m3 from random values) or the activation dtype; after one call, `repeats` calls timed together
       // (the bench's GEMM-alone figure; every kernel the linear launches is counted).
@@ -276,6 +273,9 @@ void bind_op_harness(nb::module_& m) {
              h.be().synchronize();
              return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / repeats;
            }, "m"_a, "n"_a, "k"_a, "weights"_a = "act", "repeats"_a = 20)
+      // An FP8 linear (w: values exactly representable in e4m3, scale fp32 [ceil(N / 2^row_shift), ceil(K / 128)])
+      // through op: linear, linear_add (onto res), norm_linear (norm_w None: a unit gain), linear_silu_mul or
+      // norm_linear_silu_mul.
       .def("fp8_linear",
            [](OpHarness& h, const std::string& op, F32In x, F32In w, F32In scale, int shift,
               std::optional<F32In> bias, std::optional<F32In> res, std::optional<F32In> norm_w, float eps,
