@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -71,6 +72,33 @@ def test_checkpoints_transformers_reads_its_own_way(build, tmp_path):
                 (c,) = gen.generate([p], max_tokens=8, **GREEDY)
                 msg = M.greedy_mismatch(folder, p, c.token_ids, 8)
                 assert not msg, (folder.name, msg)
+
+
+def test_rope_scaling_argument_equals_the_edited_config(build, tmp_path):
+    """Generator(rope_scaling=...) puts its keys over the config's RoPE settings as a user editing config.json would
+    (Qwen3.5's partial_rotary_factor and rope_theta kept): transformers' greedy tokens on the edited checkpoint, the
+    longer context served; a bad block is refused like a bad config.json."""
+    folder = build("qwen35_hybrid")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    edited = M.copy_folder(folder, tmp_path / "edited")
+
+    def edit(c):
+        c["rope_parameters"] = dict(c.get("rope_parameters") or {}, **yarn)
+
+    M.edit_json(edited / "config.json", edit)
+    prompts = M.pick_prompts(edited, seed=16, lengths=[5, 90], max_new=8)
+    with qwen_rt.Generator(str(folder), rope_scaling=yarn, **M.base_kwargs(folder)) as gen:
+        assert gen.config["rope_scaling"]["factor"] == 4.0
+        saved = json.loads((folder / "config.json").read_text())["rope_parameters"]
+        assert gen.config["rope_scaling"]["partial_rotary_factor"] == saved["partial_rotary_factor"]
+        for p in prompts:
+            (c,) = gen.generate([p], max_tokens=8, **GREEDY)
+            msg = M.greedy_mismatch(edited, p, c.token_ids, 8)
+            assert not msg, msg
+    with pytest.raises(TypeError, match="rope_scaling"):
+        qwen_rt.Generator(str(folder), rope_scaling="yarn", **M.base_kwargs(folder))
+    with pytest.raises(ValueError, match="factor"):
+        qwen_rt.Generator(str(folder), rope_scaling=dict(yarn, factor=-1), **M.base_kwargs(folder))
 
 
 @pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen3_yarn", "qwen2_bias_gqa2_tied"])

@@ -275,12 +275,20 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
     each tier. offload: kv_offload_memory (bytes; 0: none). Contexts of synthetic_from tokens or more (0: none) are
     random stand-in K/V (synthetic_prefill; labelled so): decode only. kv_dtypes: kv_cache_dtype values to run."""
     from qwen_rt import SparseAttention
+    from qwen_rt.model_files import resolve, text_config
+    max_pos = text_config(resolve(model, load_format="dummy").config)["max_position_embeddings"]
     rows = []
     for n, kv, budget in [(n, kv, b) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)]:
         synthetic = bool(synthetic_from) and n >= synthetic_from
         sparse = SparseAttention(budget_tokens=budget) if budget else None
+        # Beyond max_position_embeddings: yarn, as Qwen's model cards have users set it (factor 4 over 262144 for
+        # ~1M tokens on Qwen3.5/3.8).
+        need = n + new_tokens + 16
+        factor = float(-(-need // max_pos))
+        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": max_pos} \
+            if need > max_pos else None
         # (Stand-in pages have no host frames: synthetic contexts run without the host tier.)
-        g = _gen(model, max_batch_size=1, max_model_len=n + new_tokens + 16, max_num_batched_tokens=8192,
+        g = _gen(model, max_batch_size=1, max_model_len=need, max_num_batched_tokens=8192, rope_scaling=rope,
                  enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_cache_dtype=kv,
                  kv_offload_memory=None if synthetic else offload or None, synthetic_prefill=synthetic)
         try:
@@ -295,6 +303,7 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
             rows.append({"model": model, "quantization": QUANT, "context": n,
                          "kv_cache": "fp8" if kv == "fp8" else "bf16",
                          "attention": f"sparse {budget}" if budget else "full",
+                         "rope": f"yarn x{factor:g}" if rope else "default",
                          "prefill_s": "synthetic" if synthetic else round(prefill, 2),
                          "step_ms": round(step * 1e3, 3),
                          "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),

@@ -64,6 +64,25 @@ def _rope_parameters(cfg: dict) -> dict:
     return p
 
 
+def with_rope_scaling(cfg: dict, rope_scaling) -> dict:
+    """cfg with rope_scaling's keys over its RoPE settings (Generator(rope_scaling=...)): what Qwen's model cards
+    have users write into config.json for contexts beyond max_position_embeddings (yarn), the rest (rope_theta,
+    partial_rotary_factor) kept. Checked as config.json's own."""
+    if not isinstance(rope_scaling, dict) or not all(isinstance(k, str) for k in rope_scaling):
+        raise TypeError(f"rope_scaling must be a dict of str keys, got {type(rope_scaling).__name__}")
+    base = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(base, dict):
+        raise ValueError(f"config.json's rope settings must be an object, got {type(base).__name__}")
+    merged = dict(base)
+    if "type" in rope_scaling or "rope_type" in rope_scaling:  # a new kind: the old one's name goes
+        merged.pop("type", None)
+        merged.pop("rope_type", None)
+    merged.update(rope_scaling)
+    out = dict(cfg, rope_scaling=merged)
+    _rope_parameters(out)
+    return out
+
+
 def _number(where: str, key: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= FLOAT32_MAX:  # (NaN fails too)
         raise ValueError(f"config.json's {where}{key} must be a positive number, got {v!r}"[:300])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from . import _core
-from .config import FLOAT_DTYPES, MULTIMODAL_PREFIX, native_config, config_dtype
+from .config import FLOAT_DTYPES, MULTIMODAL_PREFIX, native_config, config_dtype, with_rope_scaling
 from .model_files import resolve, same_tensor, text_config
 from .sampling import INT32_MAX, Completion, Delta, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
@@ -324,7 +324,8 @@ class Generator:
     """
 
     def __init__(self, model, *, device="auto", dtype="auto", max_batch_size: int | None = None,
-                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 max_model_len: int | None = None, rope_scaling: dict | None = None,
+                 kv_cache_memory: int | None = None,
                  max_num_batched_tokens: int | None = None, seed: int = 0, load_format: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, page_size: int = 16,
                  revision: str | None = None, num_threads: int = 0, cuda_graphs: bool = True,
@@ -404,6 +405,8 @@ class Generator:
 
         files = resolve(model, load_format=load_format, revision=revision)
         self.config = text_config(files.config)
+        if rope_scaling is not None:
+            self.config = with_rope_scaling(self.config, rope_scaling)
         self.generation_config = dict(files.generation_config)
         # Qwen3.5's multimodal layout keeps the text weights under model.language_model.
         prefix = MULTIMODAL_PREFIX if any(name.startswith(MULTIMODAL_PREFIX) for name in files.tensors) else "model."
