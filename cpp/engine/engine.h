@@ -43,7 +43,7 @@ struct EngineOptions {
   // Speculative decoding with the checkpoint's MTP head: draft tokens per step (0: off), and the most sequences of a
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
   int speculative_tokens = 0;
-  int speculative_max_batch = 2;
+  int speculative_max_batch = 8;
   // A request whose drafts' running acceptance (engine.cpp) falls below this decodes plainly for
   // speculative_pause_steps steps, then drafts again: speculation stops costing where it stops paying (long contexts,
   // text the head predicts badly). 0: never pause.

@@ -333,7 +333,7 @@ class Generator:
                  enable_prefix_caching: bool = True, state_snapshots: int = 16, progress: bool = True,
                  check_weights: bool = True, quantization: str | None = None,
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 2, synthetic_prefill: bool = False,
+                 speculative_tokens: int = 0, speculative_max_batch: int = 8, synthetic_prefill: bool = False,
                  kv_cache_dtype: str = "auto", speculative_min_acceptance: float = 0.3,
                  speculative_pause_steps: int = 16):
         self._engine = None
