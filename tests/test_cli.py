@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 
@@ -127,3 +128,33 @@ def test_cli_bad_flags_and_chat_without_tokenizer(build, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert err.startswith("qwen-rt: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
         assert "loading weights" not in err, err
+
+
+
+def test_cli_engine_flags_reach_the_generator(build, capsys):
+    """--quantization, --kv-cache-dtype and --rope-scaling reach Generator: the tokens printed are those Generator
+    gives with the same arguments (and the run's tokens differ without --rope-scaling); --sparse-attention with a
+    budget above the context, --speculative-tokens 0 and a --kv-offload-memory tier leave them as they are; a
+    --rope-scaling that is not JSON is one error line."""
+    import qwen_rt
+
+    folder = build("qwen3_gqa2_tied")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    kw = dict(device="cpu", dtype="float32", max_model_len=64, max_batch_size=2, quantization="fp8",
+              kv_cache_dtype="fp8")
+    (p,) = M.pick_prompts(folder, seed=702, lengths=[40], max_new=4)
+    with qwen_rt.Generator(str(folder), rope_scaling=yarn, **kw) as gen:
+        want = gen.generate([p], max_tokens=4, temperature=0, ignore_eos=True)[0].token_ids
+    argv = ["generate", " ".join(map(str, p)), "--token-ids", "--model", str(folder), "--device", "cpu", "--dtype",
+            "float32", "--max-model-len", "64", "--max-batch-size", "2", "--max-tokens", "4", "--temperature", "0",
+            "--ignore-eos", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--rope-scaling", json.dumps(yarn)]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in want]
+    assert cli.main(argv + ["--sparse-attention", "2048", "--speculative-tokens", "0",
+                            "--kv-cache-memory", str(8 << 20), "--kv-offload-memory", str(1 << 20)]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in want]
+    assert cli.main(argv[:-2]) == 0  # without --rope-scaling
+    assert capsys.readouterr().out.split() != [str(t) for t in want]
+    assert cli.main(argv[:-1] + ["{yarn"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qwen-rt: error: --rope-scaling") and len(err.strip().splitlines()) == 1, err

@@ -89,7 +89,23 @@ def _add_generate(sub) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="quantize a 16/32-bit checkpoint at load")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"])
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="bytes of the device KV pool")
+    p.add_argument("--kv-offload-memory", type=int, default=None, metavar="BYTES",
+                   help="host memory for a second KV tier (pinned on CUDA)")
+    p.add_argument("--sparse-attention", type=int, default=None, metavar="TOKENS",
+                   help="decode long contexts attending to this many tokens (runtime-scored pages)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K", help="MTP draft tokens a step")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help='keys over config.json\'s RoPE settings, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
+                        '"original_max_position_embeddings": 262144}\'')
     p.set_defaults(func=_cmd_generate)
+
+
+# Generator arguments the generate command passes through when given (flag name with '_' for '-').
+_ENGINE_ARGS = ("max_model_len", "max_batch_size", "revision", "quantization", "kv_cache_dtype", "kv_cache_memory",
+                "kv_offload_memory", "speculative_tokens")
 
 
 def _ids_text(ids) -> str:
@@ -122,12 +138,16 @@ def _cmd_generate(args) -> int:
                              "ids with --token-ids")
     gen_kwargs = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
                       tensor_parallel_size=args.tensor_parallel_size)
-    if args.max_model_len is not None:
-        gen_kwargs["max_model_len"] = args.max_model_len
-    if args.max_batch_size is not None:
-        gen_kwargs["max_batch_size"] = args.max_batch_size
-    if args.revision is not None:
-        gen_kwargs["revision"] = args.revision
+    gen_kwargs.update({k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k) is not None})
+    if args.rope_scaling is not None:
+        import json
+        try:
+            gen_kwargs["rope_scaling"] = json.loads(args.rope_scaling)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rope-scaling must be a JSON object ({e})") from None
+    if args.sparse_attention is not None:
+        from qwen_rt import SparseAttention
+        gen_kwargs["sparse_attention"] = SparseAttention(budget_tokens=args.sparse_attention)
     sampling = {k: getattr(args, k) for k in _SAMPLING_ARGS if getattr(args, k) is not None}
     if args.stop:
         sampling["stop"] = list(args.stop)
