@@ -879,9 +879,6 @@ struct DecodeArgs : RowsArgs {
 };
 
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
 // FUSED prologue, run by the block's warps for its pair (row, kv head): its G query heads normalized (q_norm),
 // rotated and rounded to T into q_s [G][D]; the owner also makes the new k (k_norm, rotation) and v, rounds

@@ -134,26 +134,6 @@ constexpr size_t mma_smem(GemvEpilogue epi) {
   return size_t(mma_stages(epi)) * (epi == GemvEpilogue::SiluMul ? 2 : 1) * 4 * 16 * kMmaWarps * 32;
 }
 
-// Two e4m3 (bits 0-15 of v) as a pair of T, exactly.
-template <typename T> __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t v);
-template <> __device__ __forceinline__ uint32_t e4m3x2_to<__half>(uint32_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(v & 0xFFFFu), __NV_E4M3);
-  return uint32_t(h.x) | uint32_t(h.y) << 16;
-}
-template <> __device__ __forceinline__ uint32_t e4m3x2_to<__nv_bfloat16>(uint32_t v) {
-  // Byte b as the bf16 bits (sign << 8 | magnitude << 4) is b's value times 2^-120, normal and subnormal alike
-  // (bf16's exponent bias is 120 above e4m3's); times 2^120 (bf16 0x7B80) is exact.
-  const uint32_t u = __byte_perm(v, 0u, 0x1404);  // b1 << 24 | b0 << 8
-  const uint32_t bits = (u & 0x80008000u) | ((u & 0x7F007F00u) >> 4);
-  const __nv_bfloat162 two120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), two120);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 // NT: 8-row tiles of x (M <= 8 * NT).
 template <typename T, typename O, int NT, GemvEpilogue EPI>
 __global__ void __launch_bounds__(kMmaWarps * 32)
