@@ -179,13 +179,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const T* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, M - 1) * ldx + 16 * t;  // rows past M read row M - 1
-  float acc[R][NT][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+  float acc[R][NT][4] = {};
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(b_begin + s);  // weights: before the wait
   grid_wait();
@@ -204,13 +198,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
     for (int i = 0; i < P; ++i) wv[i] = slot(b, i);
     issue(b + STAGES - 1);  // into the stage block b - 1 left
-    float p[R][NT][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+    float p[R][NT][4] = {};  // this block's products, scaled into acc after it
 #pragma unroll
     for (int c = 0; c < 2; ++c)
 #pragma unroll
