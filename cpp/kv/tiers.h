@@ -25,7 +25,6 @@ struct PageMoves {
   // running; everything earlier is done or ordered before them): no copy writes a frame freed by this prepare
   // (that step may still read or write its page) and no copy reads a page that step writes.
   bool beside = false;
-  bool empty() const { return out.empty() && in.empty(); }
   // The step's pages (every sequence's, whole or partly filled) in each tier once moved: what its attention reads
   // from device frames and, in place, from host memory (sparse decode then reads a selection of them).
   int64_t reads_device = 0, reads_host = 0;
