@@ -68,6 +68,12 @@ def measure_limits() -> dict:
     return {"copy_bw": bw, "bf16_flops": flops}
 
 
+def _text_config(model: str) -> dict:
+    """config.json of a packaged (or hub) model name's language model (model_files.text_config)."""
+    from qwen_rt.model_files import resolve, text_config
+    return text_config(resolve(model, load_format="dummy").config)
+
+
 def _hf_config(model: str):
     """transformers' config of a packaged (or hub) model name's language model, architectures kept (Qwen3.5's
     multimodal configs: the text model, Qwen3_5ForCausalLM)."""
@@ -275,8 +281,7 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
     each tier. offload: kv_offload_memory (bytes; 0: none). Contexts of synthetic_from tokens or more (0: none) are
     random stand-in K/V (synthetic_prefill; labelled so): decode only. kv_dtypes: kv_cache_dtype values to run."""
     from qwen_rt import SparseAttention
-    from qwen_rt.model_files import resolve, text_config
-    max_pos = text_config(resolve(model, load_format="dummy").config)["max_position_embeddings"]
+    max_pos = _text_config(model)["max_position_embeddings"]
     rows = []
     for n, kv, budget in [(n, kv, b) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)]:
         synthetic = bool(synthetic_from) and n >= synthetic_from
@@ -406,8 +411,7 @@ def bench_fp8_weights(model: str, limits: dict, rng, prefill_len: int = 8192, kl
 def gemm_shapes(model: str) -> list[tuple[str, int, int]]:
     """(linear, N, K) of each distinct linear of a packaged model at TP 1, fused as the runtime stores them (q|k|v
     with the output gate of gated attention, gate|up; DeltaNet's q|k|v|z), the LM head left out."""
-    cfg = json.loads((Path(__file__).parent / "configs" / f"{model}.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = _text_config(model)
     H, inter = cfg["hidden_size"], cfg["intermediate_size"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nq
