@@ -70,10 +70,8 @@ def with_rope_scaling(cfg: dict, rope_scaling) -> dict:
     partial_rotary_factor) kept. Checked as config.json's own."""
     if not isinstance(rope_scaling, dict) or not all(isinstance(k, str) for k in rope_scaling):
         raise TypeError(f"rope_scaling must be a dict of str keys, got {type(rope_scaling).__name__}")
-    base = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if not isinstance(base, dict):
-        raise ValueError(f"config.json's rope settings must be an object, got {type(base).__name__}")
-    merged = dict(base)
+    _rope_parameters(cfg)  # the config's own settings first (objects, numbers), with its messages
+    merged = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     if "type" in rope_scaling or "rope_type" in rope_scaling:  # a new kind: the old one's name goes
         merged.pop("type", None)
         merged.pop("rope_type", None)
