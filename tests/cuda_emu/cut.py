@@ -1,0 +1,32 @@
+"""Cuts the kernels the host emulator runs (tests/cuda_emu/*.cpp) out of the CUDA sources as they are, into
+<out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue).
+Usage: python cut.py <cpp/backend/cuda> <out>."""
+import sys
+from pathlib import Path
+
+RING = ("extern __shared__ uint4 ring[];", "uint4* ring = reinterpret_cast<uint4*>(emu::blk->smem.data());")
+
+
+def cut(text: str, start: str, end: str) -> str:
+    """text from the start marker up to (not including) the end marker after it."""
+    a = text.index(start)
+    return text[a:text.index(end, a)]
+
+
+def sources(src: Path) -> dict[str, str]:
+    c = (src / "cuda_common.cuh").read_text()
+    f = (src / "fp8.cu").read_text()
+    return {
+        "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
+                     cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
+                     cut(f, "template <typename T, typename O, int M, GemvEpilogue EPI>",
+                         "// Rows [n0, n0 + dst.rows) of w dequantized") +
+                     cut(f, "bool gemv_fp8_mma(const Tensor& x", "void launch_dequantize_fp8(")),
+    }
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, body in sources(Path(sys.argv[1])).items():
+        (out / f"{name}.inc").write_text(body.replace(*RING))
