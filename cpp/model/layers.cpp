@@ -211,9 +211,12 @@ void DeltaNetLayer::forward(LayerStep& s, const RmsNorm& norm, const ModelConfig
   if (in_proj_ba.w.empty()) {
     s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, proj);
   } else {  // q|k|v | z, then b | a into the columns after them
+    // One of the two is FP8, so the norm's gain is not folded (WeightLoader::norm_gain) and no backend fuses it into
+    // either product: norm_linear's composition, with the norm computed once for both.
     Tensor main = proj.col_slice(0, cc + vn), ba = proj.col_slice(cc + vn, 2 * int64_t(d.v_heads));
-    s.be.norm_linear(s.residual, norm, in_proj, nullptr, s.ws.h, main);
-    s.be.norm_linear(s.residual, norm, in_proj_ba, nullptr, s.ws.h, ba);
+    s.be.rms_norm(s.residual, norm.w, norm.eps, norm.zero_centred, s.ws.h);
+    s.be.linear(s.ws.h, in_proj, nullptr, main);
+    s.be.linear(s.ws.h, in_proj_ba, nullptr, ba);
   }
   s.be.causal_conv1d(proj.col_slice(0, cc), conv_w, s.batch, d, state, conv);
   s.be.gated_delta_rule(conv, proj.col_slice(cc + vn + d.v_heads, d.v_heads), proj.col_slice(cc + vn, d.v_heads),
