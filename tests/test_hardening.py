@@ -184,9 +184,8 @@ def test_nonfinite_logits_fail_only_their_request(build, tmp_path, device):
 def peak_rss_of(code: str, timeout: float = 120.0) -> tuple[subprocess.CompletedProcess, int]:
     """Runs code isolated; returns the process and its peak resident memory in bytes. (/proc's VmHWM: getrusage's
     ru_maxrss keeps the forking test process's peak across exec, so it failed whenever that one was large.)"""
-    p = run_isolated("import re\n" + textwrap.dedent(code) +
-                     "\nprint('rss', int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024)",
-                     timeout)
+    peak = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024"
+    p = run_isolated("import re\n" + textwrap.dedent(code) + f"\nprint('rss', {peak})", timeout)
     rss = [int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("rss ")]
     return p, (rss[0] if rss else -1)
 
