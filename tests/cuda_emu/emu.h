@@ -246,6 +246,27 @@ void launch(dim3 grid, int threads, size_t smem, F kernel) {
         for (auto& th : ts) th.join();
       }
 }
+// The CUDA runtime and cuda_common.cuh's host helpers, as the cut sources call them.
+constexpr int cudaSuccess = 0, cudaFuncAttributeMaxDynamicSharedMemorySize = 0, cudaDevAttrMultiProcessorCount = 1,
+              cudaDevAttrMaxSharedMemoryPerBlockOptin = 2;
+template <typename K> int cudaFuncSetAttribute(K, int, int) { return 0; }
+inline int cudaGetDevice(int* d) { return *d = 0; }
+inline int cudaGetLastError() { return 0; }
+inline int cudaDeviceGetAttribute(int* v, int attr, int) {  // 2 SMs (persistent grids walk several tiles each);
+  return *v = attr == cudaDevAttrMultiProcessorCount ? 2 : 227 * 1024, 0;  // an H100's shared memory per block
+}
+template <typename K> int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { return *n = 2, 0; }
+inline unsigned ceil_div(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+inline void check(int, const char*) {}
+inline void check_launch(const char*) {}
+inline bool is_float_dtype(qrt::DType t) { return t != qrt::DType::I32; }
+template <typename Tn> inline void check_act(const Tn&, const char*) {}
+template <typename F> void dispatch_act(qrt::DType t, const char*, F&& f) {
+  if (t == qrt::DType::BF16) f(__nv_bfloat16());
+  else if (t == qrt::DType::F16) f(__half());
+  else f(float());
+}
+
 inline dim3 to_dim3(dim3 d) { return d; }
 inline dim3 to_dim3(unsigned n) { return dim3(n); }
 inline dim3 to_dim3(int n) { return dim3(unsigned(n)); }

@@ -10,19 +10,6 @@
 
 namespace qrt::cuda {
 using namespace qrt;
-inline unsigned ceil_div(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
-inline void check(int, const char*) {}
-inline void check_launch(const char*) {}
-constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0, cudaDevAttrMultiProcessorCount = 0;
-template <typename K> int cudaFuncSetAttribute(K, int, int) { return 0; }
-inline int cudaGetDevice(int* d) { return *d = 0; }
-inline int cudaDeviceGetAttribute(int* v, int, int) { return *v = 2, 0; }  // 2 SMs
-template <typename K> int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { return *n = 2, 0; }
-template <typename F> void dispatch_act(DType t, const char*, F&& f) {
-  if (t == DType::BF16) f(__nv_bfloat16());
-  else if (t == DType::F16) f(__half());
-  else f(float());
-}
 // e4m3 times the scale, one fp32 product each (fp8.cu's dequantize16 and fp8_value, by value).
 inline float fp8_value(uint8_t b) { return e4m3_to_float(b); }
 inline void dequantize16(const uint4& v, float sc, float (&w)[16]) {
