@@ -535,6 +535,7 @@ DECODE_CASES = [
     ([1, 1, 1], [17, 100, 3000], 32, 8, 128, 16),  # Qwen3-8B heads, GQA 4
     ([1, 1], [33, 700], 8, 1, 128, 64),  # GQA 8
     ([1], [5000], 24, 4, 256, 16),  # Qwen3.8 attention, GQA 6
+    ([1, 1, 1, 1], [1, 40, 700, 3001], 24, 4, 256, 8),  # the same over 8-key pages (a page lookup per key)
     ([1, 1, 1, 1], [1, 2, 15, 16], 16, 8, 64, 8),  # GQA 2, page edges
     ([1] * 17, list(range(3, 3 + 17 * 61, 61)), 16, 16, 128, 16),  # GQA 1, many sequences
     ([1, 1], [2048, 129], 64, 4, 128, 128),  # GQA 16: beyond the decode kernel's 8 heads, the rows kernel
@@ -556,6 +557,7 @@ PREFILL_CASES = [
     ([700, 1500], [900, 4000], 32, 8, 128, 16),  # many key tiles, ragged, over cached tokens
     ([333], [333], 28, 4, 128, 16),  # GQA 7: rows per block not a multiple of the group
     ([600], [1100], 8, 8, 64, 32),  # GQA 1, head_dim 64
+    ([700, 33], [1500, 33], 24, 4, 256, 16),  # head_dim 256: many key tiles over cached tokens, ragged
 ]
 
 MIXED_CASES = [
@@ -594,14 +596,16 @@ def test_attention_mixed(cpu, act, case, kernel, monkeypatch):
     run_attention(cpu, act, *case, seed=sum(case[0]))
 
 
-FP8_CACHE_CASES = DECODE_CASES[:5] + [DECODE_CASES[6]] + PREFILL_CASES[:6] + MIXED_CASES[:2] + [MIXED_CASES[4]]
+FP8_CACHE_CASES = DECODE_CASES[:6] + [DECODE_CASES[7]] + DECODE_CASES[9:11] + PREFILL_CASES[:6] + MIXED_CASES[:2] + \
+    [MIXED_CASES[4]]
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("case", FP8_CACHE_CASES, ids=lambda c: f"{c[0][:3]}-{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
 def test_attention_fp8_cache(cpu, act, case):
-    """An fp8 KV cache (decode: the rows kernel; prefill: the tile kernel converting as it stages): the rows write_kv
-    quantizes equal the CPU's bit for bit (the same values in, the same rule), and the output is the CPU's."""
+    """An fp8 KV cache (decode: the decode kernel for 16-bit head_dim 128/256, else the rows kernel; prefill: the tile
+    kernel converting as it stages): the rows write_kv quantizes equal the CPU's bit for bit (the same values in, the
+    same rule), and the output is the CPU's."""
     run_attention(cpu, act, *case, seed=7 + case[4], kv_dtype="float8_e4m3")
 
 
@@ -1086,6 +1090,32 @@ def test_fp8_linear(cpu, act, m, n, k, shift, gemv_rows, monkeypatch):
         monkeypatch.setenv("QWEN_RT_FP8_GEMV_MMA_FROM", "1" if m > 1 else "2")
         for r in sorted({0, m // 2, m - 1}):
             np.testing.assert_array_equal(np.asarray(h.fp8_linear("linear", x[r:r + 1], q, s, shift)), out[r:r + 1])
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m,n,k,shift", [(1, 5000, 640, 7), (5, 4100, 1024, 3), (17, 3000, 384, 7), (32, 2900, 1280, 0)])
+def test_fp8_gemv_persistent_grid_gives_the_same_bits(cpu, act, m, n, k, shift, monkeypatch):
+    """The tensor-core FP8 GEMV with a persistent grid (QWEN_RT_FP8_GEMV_BLOCKS: each block walks several 16-row
+    tiles, its warps' copy rings running on from one tile into the next) gives the bits of one block per tile, plain,
+    with bias, accumulated and gated."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "32")
+    monkeypatch.setenv("QWEN_RT_FP8_GEMV_MMA_FROM", "1")
+    rng = np.random.default_rng(m + n + k)
+    q, s = fp8_weights(cpu, rng, n, k, shift)
+    x = rand(rng, (m, k), -1, 1, act)
+    b = rand(rng, (1, n), -1, 1, act)
+    res = rand(rng, (m, n), -1, 1, act)
+    h = harness(DEVICE, act)
+    runs = {}
+    for blocks in ("0", "1", "2"):
+        monkeypatch.setenv("QWEN_RT_FP8_GEMV_BLOCKS", blocks)
+        runs[blocks] = [np.asarray(h.fp8_linear("linear", x, q, s, shift, bias=b)),
+                        np.asarray(h.fp8_linear("linear_add", x, q, s, shift, res=res)),
+                        np.asarray(h.fp8_linear("linear_silu_mul", x, q[: n // 2 * 2], s, shift))]
+    assert rel(runs["0"][0], np.asarray(cpu.fp8_linear("linear", x, q, s, shift, bias=b))) < TOL[act]
+    for blocks in ("1", "2"):
+        for got, want in zip(runs[blocks], runs["0"]):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])

@@ -131,7 +131,7 @@ def cuda_or_skip():
 def test_cuda_fp8_cache_equals_the_cpu(build, fresh_gen, name):
     """fp32 activations: the GPU quantizes K/V as the CPU does (a value either side of a rounding boundary aside), so
     the same greedy tokens and logprobs within 2e-2; in bf16 the tokens of the bf16 cache, prefill (tile kernel) and
-    decode (rows kernel) alike."""
+    decode (the decode kernel at head_dim 128/256, the rows kernel at 64) alike."""
     cuda_or_skip()
     folder = build(name)
     prompts = M.pick_prompts(folder, seed=26, lengths=[300, 70, 9], max_new=8, margin=0.3)
@@ -147,13 +147,14 @@ def test_cuda_fp8_cache_equals_the_cpu(build, fresh_gen, name):
 
 
 @pytest.mark.cuda
-def test_cuda_fp8_host_tier_and_sparse_equal_the_device_pool(build, fresh_gen):
+@pytest.mark.parametrize("name", ["qwen3_hd128_gqa2", "qwen35_hd256"])
+def test_cuda_fp8_host_tier_and_sparse_equal_the_device_pool(build, fresh_gen, name):
     """On the GPU with an fp8 cache: the host tier (pages and scales read in place) and sparse decode with a budget
     as large as the context give the plain pool's output; one request at a time (the GEMMs change with the batch)."""
     import qwen_rt
 
     cuda_or_skip()
-    folder = build("qwen3_hd128_gqa2")
+    folder = build(name)
     prompts = M.pick_prompts(folder, seed=27, lengths=[300, 120], max_new=10)
     kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_batched_tokens=64, max_batch_size=2,
               max_model_len=400, kv_cache_dtype="fp8")

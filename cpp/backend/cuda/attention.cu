@@ -1,14 +1,14 @@
 // Causal paged attention on the GPU. Three kernels:
 // - rows kernel: one block per (query row, kv head, split of the keys); the GQA group of query heads
-//   shares each K/V tile; FMA math. Used for decode batches (split over the keys, flash-decoding,
-//   then a combine kernel) and for fp32 (the exactness mode).
-// - decode kernel (bf16/fp16, one query row per sequence): the rows kernel's job on tensor cores, K and V
-//   read straight into mma fragments; the same split and combine. At small batches it also does
-//   finish_qkv's work for its rows (launch_qkv_attention).
+//   shares each K/V tile; FMA math. Used for fp32 (the exactness mode) and the decode batches the decode
+//   kernel does not take (split over the keys, flash-decoding, then a combine kernel).
+// - decode kernel (bf16/fp16, one query row per sequence, a 16-bit or an fp8 cache): the rows kernel's job on
+//   tensor cores, K and V read straight into mma fragments; the same split and combine. At small batches it
+//   also does finish_qkv's work for its rows (launch_qkv_attention).
 // - tile kernel (bf16/fp16): FlashAttention-2 style; a block holds 128 (token, head) rows of one
 //   sequence and one kv head, streams K/V pages through shared memory (cp.async, two stages) and
 //   computes QK^T and PV with mma.sync m16n8k16 tensor-core instructions, online softmax in fp32.
-//   On sm_90a its job goes to the wgmma kernel (attention_sm90.cuh) for head_dim 64 and 128.
+//   On sm_90a its job goes to the wgmma kernel (attention_sm90.cuh).
 // Launch shapes come from the host maxima of AttnBatch; lengths are read on the device, so a
 // captured graph stays valid while the real lengths stay within the maxima it was captured with.
 #include <algorithm>
@@ -848,10 +848,10 @@ __global__ void __launch_bounds__(WARPS * 32) attn_tile_kernel(const TileArgs a)
 // mma.m16n8k16 (heads beyond the group are zero, rows 8..15 unused) and 16 keys as its columns, then
 // O^T += V^T P^T with 16 head dimensions as the rows and the heads as the 8 columns: S's accumulator is P^T's
 // B fragment as it stands, and the output accumulators hold 8 heads, not 16. K and V are read straight from
-// the paged cache into registers in 16-byte pieces (no shared memory), a step ahead; the head dimensions are
-// permuted so that each lane's 16 bytes are fragment operands (QK: K's 8 dims are two k-steps of B; PV: a
-// lane holds 8 dims of 4 keys and pairs them with byte permutes). With pages of a multiple of 16 keys a step
-// is one page lookup. A pair's warps meet in shared memory in a fixed order. Scores are kept in log2 units,
+// the paged cache into registers in 16-byte pieces (no shared memory), a step ahead where the registers allow;
+// the head dimensions are permuted so that each lane's 16 bytes are fragment operands (QK: a 16-bit piece's 8
+// dims are two k-steps of B, an e4m3 piece's 16 four; PV: a lane holds 8 or 16 dims of 4 keys and pairs them
+// with byte permutes). With pages of a multiple of 16 keys a step is one page lookup. A pair's warps meet in shared memory in a fixed order. Scores are kept in log2 units,
 // like the rows kernel (the combine kernel reads both).
 constexpr int kDecWarps = 4;
 constexpr int kDecKeys = 16;                       // keys per warp step
@@ -975,12 +975,22 @@ __device__ __forceinline__ void new_key_scores(const DecodeArgs& a, bool has_row
   }
 }
 
-template <typename T, int D, int WPR, bool FUSED>
+// C: the cache's elements, T or uint8_t (e4m3: K and V converted exactly to T in registers, each key's score times
+// its K scale and its probability times its V scale in the PV product, the sum of probabilities unscaled).
+template <typename T, typename C, int D, int WPR, bool FUSED>
 __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_kernel(const DecodeArgs a) {
   grid_release();
-  constexpr int KS = D / 16;  // k-steps of QK
-  constexpr int NG = D / 64;  // groups of 64 dims (PV: a lane holds 8 dims of each)
-  constexpr int MT = D / 16;  // m-tiles of O^T: m-tile 4 g + j is dims 64 g + 8 gid + 2 j (row gid) and + 1 (gid + 8)
+  constexpr bool FP8 = std::is_same_v<C, uint8_t>;
+  static_assert(!FUSED || !FP8, "the fused prologue writes a 16-bit cache");
+  static_assert(!FP8 || D >= 128, "an e4m3 V piece is 16 dims of 8 lanes");
+  constexpr int E = 16 / int(sizeof(C));  // cache elements per 16-byte piece
+  constexpr int KS = D / 16;              // k-steps of QK (a K piece is E / 4 of them)
+  constexpr int KP = D / (4 * E);         // K pieces per lane and n-tile
+  constexpr int VG = D / (8 * E);         // V pieces per lane and key (groups of 8 E dims, a lane holds E of each)
+  constexpr int MT = D / 16;              // m-tiles of O^T (v_dim)
+  // A warp loads its next step's K and V before it works on the current one, where both steps fit the registers
+  // (not head_dim 256 with a 16-bit cache: that loads each step after the one before).
+  constexpr bool PREFETCH = 2 * KP + 4 * VG <= 16;
   constexpr int LDO = D + 4;  // shared row pitch (floats) of the warps' partial outputs
   constexpr int PAIRS = kDecWarps / WPR;
   static_assert(kDecWarps % WPR == 0, "warps per row");
@@ -1017,34 +1027,50 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
   // FUSED: whether this block holds the row's new key (the last one); the cache keys stop before it.
   const bool owner = FUSED && k_begin < k_end && k_end == n_keys;
   const int k_stop = owner ? k_end - 1 : k_end;
-  const KvHead<T> cache = kv_head<T, D>(a, s, kvh);
+  const KvHead<C> cache = kv_head<C, D>(a, s, kvh);
   // A step's keys k0 .. k0 + 15 (k0 a multiple of 16) lie in one page when pages are a multiple of 16 keys.
   const bool one_page = a.page_size % kDecKeys == 0;
-  // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1),
-  // dims 64 g + 8 gid .. + 8 of it. Keys past k_stop read key k0's row (finite values, masked or weighted 0).
-  // A warp loads its next step's K and V before it works on the current one.
-  auto load_step = [&](int k0, uint4 (&kv)[2][D / 32], uint4 (&vv)[4][NG]) {
-    const KvPtr<T> base = one_page ? cache.at(k0) : KvPtr<T>{cache.k, cache.v};
-    auto key_at = [&](int j) {
+  // The permuted head dimensions. QK k-step ks, lane tig: k (2 tig, 2 tig + 1) is dims k_dim(ks) + {0, 1},
+  // (2 tig + 8, 2 tig + 9) is + {2, 3}: a lane's K piece (E dims from 4 E i + E tig) is E / 4 k-steps. O^T m-tile
+  // mt: row gid is dim v_dim(mt), row gid + 8 the next: a lane's V piece (E dims from 8 E g + E gid) is E / 2
+  // m-tiles.
+  auto k_dim = [&](int ks) { return 4 * E * (ks / (E / 4)) + E * tig + 4 * (ks % (E / 4)); };
+  auto v_dim = [&](int mt) { return 8 * E * (mt / (E / 2)) + E * gid + 2 * (mt % (E / 2)); };
+  // K: n-tile t's column gid is key k0 + 8 t + gid. V: key slot e is key k0 + 2 tig + (e & 1) + 8 (e >> 1), a
+  // lane's E dims of each group; FP8: sv[e] its (K, V) scales, the keys of this lane's scores. Keys past k_stop
+  // read key k0's row (finite values, masked or weighted 0).
+  auto load_step = [&](int k0, uint4 (&kv)[2][KP], uint4 (&vv)[4][VG], float2 (&sv)[4]) {
+    bool host0 = false;
+    const int64_t r0 = one_page ? cache.tier_row(k0, host0) : 0;
+    auto row_of = [&](int j, bool& on_host) {  // key j's row in its tier
       const int jj = j < k_stop ? j : k0;
-      if (one_page) return KvPtr<T>{base.k + (jj - k0) * cache.cols, base.v + (jj - k0) * cache.cols};
-      return cache.at(jj);
+      if (one_page) {
+        on_host = host0;
+        return r0 + (jj - k0);
+      }
+      return cache.tier_row(jj, on_host);
     };
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const T* kr = key_at(k0 + 8 * t + gid).k + 8 * tig;
+      bool on_host;
+      const int64_t r = row_of(k0 + 8 * t + gid, on_host);
+      const C* kr = cache.at(r * cache.cols, on_host).k + E * tig;
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) kv[t][i] = load16(kr + 32 * i);
+      for (int i = 0; i < KP; ++i) kv[t][i] = load16(kr + 4 * E * i);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const T* vr = key_at(k0 + 2 * tig + (e & 1) + 8 * (e >> 1)).v + 8 * gid;
+      bool on_host;
+      const int64_t r = row_of(k0 + 2 * tig + (e & 1) + 8 * (e >> 1), on_host);
+      const C* vr = cache.at(r * cache.cols, on_host).v + E * gid;
 #pragma unroll
-      for (int g = 0; g < NG; ++g) vv[e][g] = load16(vr + 64 * g);
+      for (int g = 0; g < VG; ++g) vv[e][g] = load16(vr + 8 * E * g);
+      if constexpr (FP8) sv[e] = cache.scales(r, on_host);
     }
   };
   constexpr int kStride = WPR * kDecKeys;
-  uint4 kv[2][D / 32], vv[4][NG];
+  uint4 kv[2][KP], vv[4][VG];
+  float2 sv[4];
   int k0 = k_begin + (warp % WPR) * kDecKeys;
   // The first step loads before grid_wait when no kernel of this step writes its keys: every key but the
   // row's new one (n_keys - 1, written by the finish kernel before this one; FUSED: by this kernel, and
@@ -1055,7 +1081,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
     // waits through the splits with keys, which every batch the model runs has (a row has >= 1 key).
     if (k_begin >= k_end && a.nsplit > 1) return;
   }
-  if (early) load_step(k0, kv, vv);
+  if (early) load_step(k0, kv, vv, sv);
   grid_wait();
   if constexpr (WPR == kDecWarps) {
     if (k_begin >= k_end) {  // nsplit 1, a row without keys: the whole block
@@ -1063,27 +1089,27 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
       return;
     }
   }
-  if (k0 < k_stop && !early) load_step(k0, kv, vv);
+  if (k0 < k_stop && !early) load_step(k0, kv, vv, sv);
 
   if constexpr (FUSED) {
     finish_pair<T, D>(a, row, kvh, has_row, owner, q_s, kv_new, s_new);
     __syncthreads();
   }
 
-  // Q as A fragments of rows gid (rows gid + 8 are zero). Logical k of k-step 2i + c, lane tig: (2 tig, 2 tig
-  // + 1) is dims 32 i + 8 tig + 4 c + {0, 1}, (2 tig + 8, 2 tig + 9) is + {2, 3}: each lane's 16-byte piece
-  // 32 i + 8 tig is two k-steps.
-  uint32_t qa[KS][2];
-  {
-    const T* qr = FUSED ? q_s
-                        : static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D;
-    auto q16 = [&](const T* p) { return FUSED ? *reinterpret_cast<const uint4*>(p) : load16(p); };
+  // Q as A fragments of rows gid (rows gid + 8 are zero), the k-steps' dims as K's (k_dim). Held in registers,
+  // except at head_dim 256 (no registers left): read again each step (from L1).
+  constexpr bool Q_REGS = D <= 128;
+  const T* const qr = (FUSED ? q_s : static_cast<const T*>(a.q) + int64_t(row) * a.q_stride + int64_t(h0) * D) +
+                      gid * D;
+  const bool q_mine = has_row && gid < G;
+  auto q_frag = [&](int ks) {
+    const T* p = qr + k_dim(ks);
+    return !q_mine ? make_uint2(0, 0) : FUSED ? *reinterpret_cast<const uint2*>(p) : __ldg(reinterpret_cast<const uint2*>(p));
+  };
+  uint2 qa[Q_REGS ? KS : 1];
+  if constexpr (Q_REGS) {
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
-      const uint4 lo = has_row && gid < G ? q16(qr + gid * D + 32 * i + 8 * tig) : make_uint4(0, 0, 0, 0);
-      qa[2 * i][0] = lo.x, qa[2 * i][1] = lo.y;
-      qa[2 * i + 1][0] = lo.z, qa[2 * i + 1][1] = lo.w;
-    }
+    for (int ks = 0; ks < KS; ++ks) qa[ks] = q_frag(ks);
   }
   if constexpr (FUSED) {
     new_key_scores<T, D>(a, has_row, owner, q_s, kv_new[0], s_new);
@@ -1097,8 +1123,11 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
   float m0 = -INFINITY, l0 = 0.f;  // head gid
 
   for (; k0 < k_stop; k0 += kStride) {
-    uint4 kn[2][D / 32], vn[4][NG];
-    if (k0 + kStride < k_stop) load_step(k0 + kStride, kn, vn);
+    uint4 kn[2][PREFETCH ? KP : 1], vn[4][PREFETCH ? VG : 1];
+    float2 svn[4];
+    if constexpr (PREFETCH) {
+      if (k0 + kStride < k_stop) load_step(k0 + kStride, kn, vn, svn);
+    }
     // S = Q K^T: sc[t][0..1] head gid, keys k0 + 8 t + 2 tig + {0, 1} ([2..3]: the zero rows gid + 8).
     float sc[2][4];
 #pragma unroll
@@ -1106,13 +1135,22 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
       sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const uint4& k = kv[t][ks / 2];
-        const uint32_t b0 = ks % 2 == 0 ? k.x : k.z, b1 = ks % 2 == 0 ? k.y : k.w;
-        mma16816<T>(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
+        const uint4& k = kv[t][ks / (E / 4)];
+        uint32_t b0, b1;
+        if constexpr (FP8) {
+          const uint32_t w = word(k, ks % 4);
+          b0 = e4m3x2_to<T>(w), b1 = e4m3x2_to<T>(w >> 16);
+        } else {
+          b0 = word(k, 2 * (ks % 2)), b1 = word(k, 2 * (ks % 2) + 1);
+        }
+        const uint2 q = Q_REGS ? qa[ks] : q_frag(ks);
+        mma16816<T>(sc[t], q.x, 0u, q.y, 0u, b0, b1);
       }
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        sc[t][e] = k0 + 8 * t + 2 * tig + e < k_stop ? sc[t][e] * a.scale_log2 : -INFINITY;
+      for (int e = 0; e < 2; ++e) {
+        const float f = FP8 ? sv[2 * t + e].x * a.scale_log2 : a.scale_log2;
+        sc[t][e] = k0 + 8 * t + 2 * tig + e < k_stop ? sc[t][e] * f : -INFINITY;
+      }
     }
     // Online softmax over the 16 keys (a head's 16 scores sit in the 4 lanes of one tig group).
     float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
@@ -1139,23 +1177,35 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
     }
     // O^T += V^T P^T. B = P^T (k keys, n heads): (keys 2 tig, 2 tig + 1; head gid) is S's n-tile 0 as it
     // stands, keys + 8 n-tile 1. A = V^T (m dims, k keys): a lane's words j of its 4 keys' pieces, paired.
-    const uint32_t pb0 = pack2<T>(sc[0][0], sc[0][1]), pb1 = pack2<T>(sc[1][0], sc[1][1]);
+    // A = V^T: m-tile mt's dims (v_dim) of the lane's 4 keys, as T pairs, paired by byte permutes.
+    const float vs[4] = {FP8 ? sv[0].y : 1.f, FP8 ? sv[1].y : 1.f, FP8 ? sv[2].y : 1.f, FP8 ? sv[3].y : 1.f};
+    const uint32_t pb0 = pack2<T>(sc[0][0] * vs[0], sc[0][1] * vs[1]), pb1 = pack2<T>(sc[1][0] * vs[2], sc[1][1] * vs[3]);
 #pragma unroll
-    for (int g = 0; g < NG; ++g)
+    for (int mt = 0; mt < MT; ++mt) {
+      uint32_t w[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t w0 = word(vv[0][g], j), w1 = word(vv[1][g], j), w2 = word(vv[2][g], j), w3 = word(vv[3][g], j);
-        mma16816<T>(o[4 * g + j], __byte_perm(w0, w1, 0x5410u), __byte_perm(w0, w1, 0x7632u),
-                    __byte_perm(w2, w3, 0x5410u), __byte_perm(w2, w3, 0x7632u), pb0, pb1);
+      for (int e = 0; e < 4; ++e) {
+        const uint4& v = vv[e][mt / (E / 2)];
+        if constexpr (FP8) w[e] = e4m3x2_to<T>(word(v, (mt % 8) / 2) >> (16 * (mt % 2)));
+        else w[e] = word(v, mt % 4);
       }
+      mma16816<T>(o[mt], __byte_perm(w[0], w[1], 0x5410u), __byte_perm(w[0], w[1], 0x7632u),
+                  __byte_perm(w[2], w[3], 0x5410u), __byte_perm(w[2], w[3], 0x7632u), pb0, pb1);
+    }
+    if constexpr (PREFETCH) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) kv[t][i] = kn[t][i];
+        for (int i = 0; i < KP; ++i) kv[t][i] = kn[t][i];
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
+      for (int e = 0; e < 4; ++e) {
 #pragma unroll
-      for (int g = 0; g < NG; ++g) vv[e][g] = vn[e][g];
+        for (int g = 0; g < VG; ++g) vv[e][g] = vn[e][g];
+        if constexpr (FP8) sv[e] = svn[e];
+      }
+    } else if (k0 + kStride < k_stop) {
+      load_step(k0 + kStride, kv, vv, sv);
+    }
   }
 
   // The warps meet.
@@ -1168,14 +1218,12 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
     if (!has_row) return;
     T* const op = static_cast<T*>(a.out) + int64_t(row) * a.out_stride + int64_t(h0) * D;
 #pragma unroll
-    for (int g = 0; g < NG; ++g)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int d = 64 * g + 8 * gid + 2 * j;
-        const float* c = o[4 * g + j];
-        if (2 * tig < G) *reinterpret_cast<uint32_t*>(op + 2 * tig * D + d) = pack2<T>(c[0] / la, c[2] / la);
-        if (2 * tig + 1 < G) *reinterpret_cast<uint32_t*>(op + (2 * tig + 1) * D + d) = pack2<T>(c[1] / lb, c[3] / lb);
-      }
+    for (int mt = 0; mt < MT; ++mt) {
+      const int d = v_dim(mt);
+      const float* c = o[mt];
+      if (2 * tig < G) *reinterpret_cast<uint32_t*>(op + 2 * tig * D + d) = pack2<T>(c[0] / la, c[2] / la);
+      if (2 * tig + 1 < G) *reinterpret_cast<uint32_t*>(op + (2 * tig + 1) * D + d) = pack2<T>(c[1] / lb, c[3] / lb);
+    }
     return;
   }
   if (tig == 0) {
@@ -1183,13 +1231,11 @@ __global__ void __launch_bounds__(kDecWarps * 32, kDecBlocksPerSm) attn_decode_k
     l_s[warp][gid] = l0;
   }
 #pragma unroll
-  for (int g = 0; g < NG; ++g)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int d = 64 * g + 8 * gid + 2 * j;
-      *reinterpret_cast<float2*>(&o_s[warp][2 * tig][d]) = make_float2(o[4 * g + j][0], o[4 * g + j][2]);
-      *reinterpret_cast<float2*>(&o_s[warp][2 * tig + 1][d]) = make_float2(o[4 * g + j][1], o[4 * g + j][3]);
-    }
+  for (int mt = 0; mt < MT; ++mt) {
+    const int d = v_dim(mt);
+    *reinterpret_cast<float2*>(&o_s[warp][2 * tig][d]) = make_float2(o[mt][0], o[mt][2]);
+    *reinterpret_cast<float2*>(&o_s[warp][2 * tig + 1][d]) = make_float2(o[mt][1], o[mt][3]);
+  }
   __syncthreads();
   // Pair p's warps p * WPR .. + WPR meet, in that order (then the new key); a thread takes 4 dims of a head.
   constexpr int D4 = D / 4, kHeadsPerPass = kDecWarps * 32 / D4;
@@ -1254,19 +1300,21 @@ int choose_splits(const AttnBatch& b, const AttnShape& sh, int num_sms) {
   return int(std::max<int64_t>(n, 1));
 }
 
-// The decode kernel takes one-query-row batches of 16-bit heads of 64 or 128 dims, up to 8 query heads per
-// kv head, 16-byte aligned q rows (QWEN_RT_DECODE_ATTN=rows: the rows kernel instead, for comparison).
-bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_bytes) {
-  static const bool off = [] {
-    const char* e = std::getenv("QWEN_RT_DECODE_ATTN");
-    return e && std::strcmp(e, "rows") == 0;
-  }();
-  return !off && elem_bytes == 2 && b.max_q_len == 1 && (sh.head_dim == 64 || sh.head_dim == 128) &&
+// The decode kernel takes one-query-row batches of 16-bit heads of 64, 128 or 256 dims (an fp8 cache: 128 or 256),
+// up to 8 query heads per kv head, 16-byte aligned q rows (QWEN_RT_DECODE_ATTN=rows: the rows kernel instead,
+// for comparison; read at every call, so the op tests can set it).
+bool decode_kernel_takes(const AttnBatch& b, const AttnShape& sh, size_t elem_bytes, bool fp8_cache) {
+  const char* e = std::getenv("QWEN_RT_DECODE_ATTN");
+  const bool off = e && std::strcmp(e, "rows") == 0;
+  const int D = sh.head_dim;
+  return !off && elem_bytes == 2 && b.max_q_len == 1 && (D == 128 || D == 256 || (D == 64 && !fp8_cache)) &&
          sh.q_heads / sh.kv_heads <= kDecMaxGroup;
 }
 
-// The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (kDecBlocksPerSm per SM).
+// The decode kernel's warps per (row, kv head) pair: fewer as the pairs fill the GPU (kDecBlocksPerSm per SM);
+// head_dim 256 always 4 (ptxas: the 1 and 2 warp forms spill there).
 int decode_warps_per_row(const AttnBatch& b, const AttnShape& sh, int num_sms) {
+  if (sh.head_dim > 128) return kDecWarps;
   static const int forced = [] {  // QWEN_RT_DECODE_WPR=1|2|4: a fixed choice, for measurements
     const char* e = std::getenv("QWEN_RT_DECODE_WPR");
     const int v = e ? std::atoi(e) : 0;
@@ -1384,17 +1432,17 @@ void run_rows(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
   if (nsplit > 1) launch_combine<T>(a, D, RowCfg<C>::kTile, st);
 }
 
-template <typename T, int D, bool FUSED>
+template <typename T, typename C, int D, bool FUSED>
 void run_decode(const DecodeArgs& a, const AttnBatch& b, const AttnShape& sh, Tensor& out, const AttnWorkspace& ws,
                 int num_sms, cudaStream_t st) {
   const int wpr = decode_warps_per_row(b, sh, num_sms);
   const unsigned blocks = unsigned(ceil_div(int64_t(b.num_tokens) * sh.kv_heads, kDecWarps / wpr));
-  if constexpr (!FUSED) {  // the fused kernel runs at 4 warps per row only (launch_qkv_attention)
-    if (wpr == 1) launch_chained(attn_decode_kernel<T, D, 1, false>, blocks, kDecWarps * 32, 0, st, a);
-    if (wpr == 2) launch_chained(attn_decode_kernel<T, D, 2, false>, blocks, kDecWarps * 32, 0, st, a);
+  if constexpr (!FUSED && D <= 128) {  // the fused kernel and head_dim 256 run at 4 warps per row only
+    if (wpr == 1) launch_chained(attn_decode_kernel<T, C, D, 1, false>, blocks, kDecWarps * 32, 0, st, a);
+    if (wpr == 2) launch_chained(attn_decode_kernel<T, C, D, 2, false>, blocks, kDecWarps * 32, 0, st, a);
   }
   if (wpr == kDecWarps)
-    launch_chained(attn_decode_kernel<T, D, kDecWarps, FUSED>,
+    launch_chained(attn_decode_kernel<T, C, D, kDecWarps, FUSED>,
                    dim3(unsigned(a.nsplit), unsigned(sh.kv_heads), unsigned(b.num_tokens)), kDecWarps * 32, 0, st, a);
   check_launch("attention (decode)");
   if (a.nsplit > 1) launch_combine<T>(a, D, kDecGranule, st);
@@ -1463,9 +1511,10 @@ PrefillForm prefill_form() {
 #endif
 }
 
-// head_dim 64/128 on sm_90a: the wgmma kernel. Else QWEN_RT_TILE=8x1 picks 8 warps of one m-tile (the form
-// before 4x2) for head_dim <= 128; head_dim 256 always takes it (two m-tiles of 256-wide accumulators do not
-// fit the registers).
+// On sm_90a the wgmma kernel: head_dim 64/128 three computing warpgroups, head_dim 256 one (its 128 accumulators
+// a thread; Q and three stages of 64 keys fill the shared memory). Else QWEN_RT_TILE=8x1 picks 8 warps of one
+// m-tile (the form before 4x2) for head_dim <= 128; head_dim 256 always takes it (two m-tiles of 256-wide
+// accumulators do not fit the registers).
 template <typename T, int D>
 void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, Tensor& out,
               cudaStream_t st) {
@@ -1485,6 +1534,8 @@ void run_tile(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const A
       case kFormMma: break;
     }
     if (!eight_warps) return launch_tile<T, D, 4, 2>(q, cache, b, sh, out, st);
+  } else if (prefill_form() != kFormMma) {  // head_dim 256 (ping-pong takes two warpgroups: the producer form)
+    return launch_wgmma<T, D, 64, 1, 3, kPipeProducer>(q, cache, b, sh, out, st);
   }
   launch_tile<T, D, 8, 1>(q, cache, b, sh, out, st);
 }
@@ -1505,22 +1556,28 @@ void run_typed(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
       }
     }
   }
-  const bool decode = aligned && !cache.fp8() && decode_kernel_takes(b, sh, sizeof(T));
+  const bool decode = aligned && decode_kernel_takes(b, sh, sizeof(T), cache.fp8());
   const int nsplit = usable_splits(b, sh, ws, decode ? decode_splits(b, sh, num_sms) : choose_splits(b, sh, num_sms));
+  if constexpr (sizeof(T) == 2) {
+    if (decode) {
+      DecodeArgs a{};
+      static_cast<RowsArgs&>(a) = rows_args(q, cache, b, sh, out, ws, nsplit, 1);
+      if (cache.fp8()) {
+        if (sh.head_dim == 128) run_decode<T, uint8_t, 128, false>(a, b, sh, out, ws, num_sms, st);
+        else run_decode<T, uint8_t, 256, false>(a, b, sh, out, ws, num_sms, st);
+      } else {
+        if (sh.head_dim == 64) run_decode<T, T, 64, false>(a, b, sh, out, ws, num_sms, st);
+        else if (sh.head_dim == 128) run_decode<T, T, 128, false>(a, b, sh, out, ws, num_sms, st);
+        else run_decode<T, T, 256, false>(a, b, sh, out, ws, num_sms, st);
+      }
+      return;
+    }
+  }
   if (cache.fp8()) {  // the rows kernel, reading e4m3
     switch (sh.head_dim) {
       case 64: run_rows<T, uint8_t, 64>(q, cache, b, sh, out, ws, nsplit, st); return;
       case 128: run_rows<T, uint8_t, 128>(q, cache, b, sh, out, ws, nsplit, st); return;
       case 256: run_rows<T, uint8_t, 256>(q, cache, b, sh, out, ws, nsplit, st); return;
-    }
-  }
-  if constexpr (sizeof(T) == 2) {
-    if (decode) {
-      DecodeArgs a{};
-      static_cast<RowsArgs&>(a) = rows_args(q, cache, b, sh, out, ws, nsplit, 1);
-      if (sh.head_dim == 64) run_decode<T, 64, false>(a, b, sh, out, ws, num_sms, st);
-      else run_decode<T, 128, false>(a, b, sh, out, ws, num_sms, st);
-      return;
     }
   }
   switch (sh.head_dim) {
@@ -1536,7 +1593,7 @@ size_t attn_workspace_bytes(const AttnBatch& b, const AttnShape& sh, int num_sms
   if (b.num_tokens <= 0 || sh.kv_heads <= 0 || sh.q_heads % sh.kv_heads != 0) return 0;
   // Either kernel may run (the decode kernel only for 16-bit activations, which this does not know).
   const int nsplit = std::max(choose_splits(b, sh, num_sms),
-                              decode_kernel_takes(b, sh, 2) ? decode_splits(b, sh, num_sms) : 1);
+                              decode_kernel_takes(b, sh, 2, false) ? decode_splits(b, sh, num_sms) : 1);
   if (nsplit <= 1) return 0;
   return size_t(b.num_tokens) * sh.q_heads * nsplit * (sh.head_dim + 2) * 4;
 }
@@ -1550,7 +1607,7 @@ bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer
   const int D = sh.head_dim, es = int(dtype_size(qkv.dtype));
   const RopeTable& tab = *fin.table;
   const bool aligned = aligned16(qkv.data, qkv.stride * es) && aligned16(out.data, out.stride * es);
-  if (separate || !aligned || !decode_kernel_takes(b, sh, size_t(es)) || cache.dtype != qkv.dtype ||
+  if (separate || !aligned || D > 128 || !decode_kernel_takes(b, sh, size_t(es), false) || cache.dtype != qkv.dtype ||
       qkv.cols != int64_t(sh.q_heads + 2 * sh.kv_heads) * D || b.kv_rows == nullptr || fin.positions == nullptr ||
       tab.rot_dim <= 0 || tab.rot_dim % 64 != 0 || tab.rot_dim > D ||
       (fin.q_norm && fin.k_norm && fin.q_norm->dtype != fin.k_norm->dtype) ||
@@ -1574,8 +1631,8 @@ bool launch_qkv_attention(const Tensor& qkv, const QkvFinish& fin, const KvLayer
       a.rot_dim = tab.rot_dim;
       a.max_pos = tab.max_positions;
       a.kv_rows = b.kv_rows;
-      if (D == 64) run_decode<T, 64, true>(a, b, sh, out, ws, num_sms, st);
-      else run_decode<T, 128, true>(a, b, sh, out, ws, num_sms, st);
+      if (D == 64) run_decode<T, T, 64, true>(a, b, sh, out, ws, num_sms, st);
+      else run_decode<T, T, 128, true>(a, b, sh, out, ws, num_sms, st);
     }
   });
   return true;

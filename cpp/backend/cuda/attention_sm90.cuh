@@ -187,7 +187,7 @@ template <int D, int BN, int WG, int STAGES, int PIPE> struct WgmmaCfg {
   static constexpr int kThreads = 128 * WG + (kProducer ? 128 : 0);
   // kPipeProducer's registers per thread: the producer warpgroup gives its registers up to the computing ones.
   static constexpr int kProducerRegs = 40;
-  static constexpr int kComputeRegs = ((65536 - 128 * kProducerRegs) / (128 * WG)) & ~7;
+  static constexpr int kComputeRegs = std::min(256, (65536 - 128 * kProducerRegs) / (128 * WG)) & ~7;  // setmaxnreg's most
   static constexpr int kQBytes = BM * D * 2;
   static constexpr int kKvBytes = BN * D * 2;  // K or V of one stage
   // ptxas (CUDA 13.0) keeps wgmma asynchronous only within the registers a thread has at launch (65536 /
@@ -315,17 +315,24 @@ __global__ void __launch_bounds__(WgmmaCfg<D, BN, WG, STAGES, PIPE>::kThreads, 1
     wgmma_commit();
   };
   // O += P V of tile j; V is MN-major (its 64-wide panels BN * 128 bytes apart, groups of 8 keys 1024 apart).
+  // head_dim 256: two MMAs of 128 columns (panels 0-1 into o[0 .. 63], panels 2-3 into o[64 .. 127]; the
+  // accumulators of 8 columns stay 4 floats apart throughout).
+  constexpr int PVN = D > 128 ? 128 : D;
   auto pv = [&](int j) {
     const uint32_t vs = k_s(j % STAGES) + Cfg::kKvBytes;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t dv = smem_desc(vs + uint32_t(kk) * 16 * 128, BN * 128, 1024);
-      if constexpr (Cfg::kSoftmaxUnderPV) {
-        wgmma_rs<T, D>(o, pa[kk], dv, 1);
-      } else {
-        const uint32_t f[4] = {__float_as_uint(sc[4 * kk]), __float_as_uint(sc[4 * kk + 1]),
-                               __float_as_uint(sc[4 * kk + 2]), __float_as_uint(sc[4 * kk + 3])};
-        wgmma_rs<T, D>(o, f, dv, 1);
+#pragma unroll
+      for (int half = 0; half < D / PVN; ++half) {
+        const uint64_t dv = smem_desc(vs + uint32_t(half * (PVN / 64) * BN * 128 + kk * 16 * 128), BN * 128, 1024);
+        float (&oh)[PVN / 2] = *reinterpret_cast<float (*)[PVN / 2]>(o + half * (PVN / 2));
+        if constexpr (Cfg::kSoftmaxUnderPV) {
+          wgmma_rs<T, PVN>(oh, pa[kk], dv, 1);
+        } else {
+          const uint32_t f[4] = {__float_as_uint(sc[4 * kk]), __float_as_uint(sc[4 * kk + 1]),
+                                 __float_as_uint(sc[4 * kk + 2]), __float_as_uint(sc[4 * kk + 3])};
+          wgmma_rs<T, PVN>(oh, f, dv, 1);
+        }
       }
     }
     wgmma_commit();

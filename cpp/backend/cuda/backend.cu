@@ -62,9 +62,10 @@ void CudaBackend::cleanup() noexcept {
   cudaSetDevice(dev_);
   if (stream_) cudaStreamSynchronize(stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+  if (move_stream_) cudaStreamSynchronize(move_stream_);
   drop_graphs();
   for (Scratch* s : {&w_conv_, &x_conv_, &fp8_x_, &attn_ws_, &sample_in_, &sample_stats_, &sample_x_,
-                     &sample_io_[0].dev_out, &sample_io_[1].dev_out}) {
+                     &sample_io_[0].dev_out, &sample_io_[1].dev_out, &segments_, &move_segments_}) {
     if (s->p) cudaFree(s->p);
     s->p = nullptr;
     s->bytes = 0;
@@ -82,9 +83,17 @@ void CudaBackend::cleanup() noexcept {
     if (io.done) cudaEventDestroy(io.done);
     io = SampleIo{};
   }
+  if (move_table_host_) cudaFreeHost(move_table_host_);
+  move_table_host_ = nullptr;
+  move_table_bytes_ = 0;
+  for (cudaEvent_t* e : {&step_begin_, &moves_done_}) {
+    if (*e) cudaEventDestroy(*e);
+    *e = nullptr;
+  }
+  if (move_stream_) cudaStreamDestroy(move_stream_);
   if (stream_) cudaStreamDestroy(stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
-  stream_ = copy_stream_ = nullptr;
+  stream_ = copy_stream_ = move_stream_ = nullptr;
   // gemm_ (handle, workspace) is destroyed after this body, on the same device.
 }
 
@@ -128,6 +137,7 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes, const char* what) {
     if (graphs_.empty() && !capturing_) {
       check(cudaStreamSynchronize(stream_), what);
       check(cudaStreamSynchronize(copy_stream_), what);
+      if (move_stream_) check(cudaStreamSynchronize(move_stream_), what);
       check(cudaFree(s.p), what);
     } else {
       retired_.push_back(s.p);
@@ -217,6 +227,50 @@ void CudaBackend::copy_segments(const std::vector<CopySegment>& segs) {
   launch_copy_segments(static_cast<const CopySegment*>(table), int(segs.size()), stream_);
 }
 
+void CudaBackend::move_pages(const std::vector<CopySegment>& out, const std::vector<CopySegment>& in, bool beside) {
+  set_device();
+  no_capture("move_pages");
+  if (!step_begin_) {
+    check(cudaStreamCreateWithFlags(&move_stream_, cudaStreamNonBlocking), "cudaStreamCreate (page moves)");
+    check(cudaEventCreateWithFlags(&step_begin_, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&moves_done_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  if (!out.empty() || !in.empty()) {
+    if (beside) {
+      // After everything before the step in flight (and after the moves before these, on whichever stream).
+      if (step_begin_recorded_) check(cudaStreamWaitEvent(move_stream_, step_begin_, 0), "move_pages");
+      if (moves_recorded_) check(cudaStreamWaitEvent(move_stream_, moves_done_, 0), "move_pages");
+      // One table for both lists: the previous beside moves have read theirs (its upload is done) before it is
+      // written again.
+      const size_t bytes = (out.size() + in.size()) * sizeof(CopySegment);
+      if (moves_recorded_) check(cudaEventSynchronize(moves_done_), "move_pages");
+      if (move_table_bytes_ < bytes) {
+        if (move_table_host_) check(cudaFreeHost(move_table_host_), "move_pages");
+        move_table_host_ = nullptr;
+        check(cudaMallocHost(&move_table_host_, bytes), "cudaMallocHost (page moves)");
+        move_table_bytes_ = bytes;
+      }
+      std::memcpy(move_table_host_, out.data(), out.size() * sizeof(CopySegment));
+      std::memcpy(static_cast<char*>(move_table_host_) + out.size() * sizeof(CopySegment), in.data(),
+                  in.size() * sizeof(CopySegment));
+      void* table = scratch(move_segments_, bytes, "move_pages");
+      check(cudaMemcpyAsync(table, move_table_host_, bytes, cudaMemcpyHostToDevice, move_stream_), "move_pages");
+      const auto* t = static_cast<const CopySegment*>(table);
+      if (!out.empty()) launch_copy_segments(t, int(out.size()), move_stream_);
+      if (!in.empty()) launch_copy_segments(t + out.size(), int(in.size()), move_stream_);
+      check(cudaEventRecord(moves_done_, move_stream_), "move_pages");
+      check(cudaStreamWaitEvent(stream_, moves_done_, 0), "move_pages");  // the step's work after them
+    } else {
+      if (!out.empty()) copy_segments(out);
+      if (!in.empty()) copy_segments(in);
+      check(cudaEventRecord(moves_done_, stream_), "move_pages");
+    }
+    moves_recorded_ = true;
+  }
+  check(cudaEventRecord(step_begin_, stream_), "move_pages");  // the step's work begins here
+  step_begin_recorded_ = true;
+}
+
 void* CudaBackend::alloc_host_tier(size_t bytes) {
   set_device();
   void* p = nullptr;
@@ -238,6 +292,7 @@ void CudaBackend::synchronize() {
   set_device();
   check(cudaStreamSynchronize(stream_), "synchronize");
   check(cudaStreamSynchronize(copy_stream_), "synchronize");
+  if (move_stream_) check(cudaStreamSynchronize(move_stream_), "synchronize");
 }
 
 void CudaBackend::memory_info(size_t* free_bytes, size_t* total_bytes) {

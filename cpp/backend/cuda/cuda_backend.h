@@ -32,6 +32,7 @@ class CudaBackend final : public Backend {
   void fill_zero(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   void copy_segments(const std::vector<CopySegment>& segs) override;
+  void move_pages(const std::vector<CopySegment>& out, const std::vector<CopySegment>& in, bool beside) override;
   void synchronize() override;
   void memory_info(size_t* free_bytes, size_t* total_bytes) override;
 
@@ -104,6 +105,14 @@ class CudaBackend final : public Backend {
   };
   void* scratch(Scratch& s, size_t bytes, const char* what);
   Scratch segments_;  // copy_segments' table
+  // move_pages beside the step before: their own stream, their segment tables (device, and pinned for the upload),
+  // the event that marks where the last step's work began (recorded by every move_pages) and the moves' end.
+  cudaStream_t move_stream_ = nullptr;
+  Scratch move_segments_;
+  void* move_table_host_ = nullptr;
+  size_t move_table_bytes_ = 0;
+  cudaEvent_t step_begin_ = nullptr, moves_done_ = nullptr;
+  bool step_begin_recorded_ = false, moves_recorded_ = false;
   AttnWorkspace attn_workspace(const AttnBatch& b, const AttnShape& sh);  // the split workspace, grown to fit
   // linear (accumulate: linear_add).
   void matmul(const Tensor& x, const Linear& w, const Tensor* bias, Tensor& out, bool accumulate);

@@ -5,10 +5,11 @@
 // product e4m3 * scale, as on the CPU, multiplied with the fp32 value of x and accumulated in fp32, so with fp32
 // activations it computes what the CPU does up to the order of the sums; one warp per weight row (two rows, n and
 // n + N, for the gated form), each lane 16 weights (one 16-byte load, read past L1) at a time, lane-strided over the
-// row, then a warp sum. On tensor cores (16-bit x, 2-32 rows; see gemv_fp8_mma_kernel): Qwen3.8-27B FP8 decode on
-// the H100 at 2 / 4 / 8 / 16 rows 12.7 / 13.3 / 14.5 / 17.7 ms a step, where the CUDA-core form took 13.9 / 18.5 /
-// 31.3 / - and W8A8 - / 18.9 / 18.5 / 20.2; at 1 row 12.6 against the CUDA-core form's 11.4-11.6
-// (docs/PERFORMANCE_HISTORY.md, session 28). Each form's arithmetic of x row m does not depend on M.
+// row (4 pieces in flight per lane, the first before the wait), then a warp sum. On tensor cores (16-bit x, 2-32
+// rows; see gemv_fp8_mma_kernel): Qwen3.8-27B FP8 decode on the H100 at 2 / 4 / 8 / 16 rows 12.7 / 13.3 / 14.5 /
+// 17.7 ms a step, where the CUDA-core form took 13.9 / 18.5 / 31.3 / - and W8A8 - / 18.9 / 18.5 / 20.2; at 1 row
+// 12.6 against the CUDA-core form's 11.4-11.6 (docs/PERFORMANCE_HISTORY.md, session 28). Each form's arithmetic of
+// x row m does not depend on M.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -51,10 +52,10 @@ __global__ void __launch_bounds__(kThreads)
   constexpr bool GATED = EPI == GemvEpilogue::SiluMul;
   constexpr int R = GATED ? 2 : 1;  // weight rows per warp: n (and n + N)
   constexpr int XN = Vec16<T>::N;   // x elements per 16-byte load
+  constexpr int U = 4;               // pieces in flight per lane and weight row
   grid_release();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t n = int64_t(blockIdx.x) * kWarps + warp;
-  grid_wait();
   if (n >= N) return;  // (no block barrier below)
   float acc[R][M];
 #pragma unroll
@@ -62,25 +63,53 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   const int64_t pieces = K / 16;
-  for (int64_t p = lane; p < pieces; p += 32) {
-    const int64_t k = p * 16;
-    float wf[R][16];
+  // A lane's pieces are lane, lane + 32, ...: U of them loaded at a time (the first U before the wait: weights),
+  // then multiplied in that order.
+  uint4 wv[R][U];
+  float sc[R][U];
+  auto load = [&](int64_t p0) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = n + r * N;
-      dequantize16(load_weight(w + row * ldw + k), __ldg(scale + (row >> shift) * lds + (k >> 7)), wf[r]);
+    for (int u = 0; u < U; ++u) {
+      const int64_t p = p0 + 32 * u;
+      if (p < pieces)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = n + r * N;
+          wv[r][u] = load_weight(w + row * ldw + p * 16);
+          sc[r][u] = __ldg(scale + (row >> shift) * lds + ((p * 16) >> 7));
+        }
     }
+  };
+  load(lane);
+  grid_wait();
+  for (int64_t p0 = lane; p0 < pieces; p0 += 32 * U) {
+    uint4 cur[R][U];
+    float cur_sc[R][U];
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int h = 0; h < 16 / XN; ++h) {
-        Vec16<T> xv;
-        xv.load(x + m * ldx + k + h * XN);
+      for (int u = 0; u < U; ++u) cur[r][u] = wv[r][u], cur_sc[r][u] = sc[r][u];
+    if (p0 + 32 * U < pieces) load(p0 + 32 * U);
 #pragma unroll
-        for (int e = 0; e < XN; ++e)
+    for (int u = 0; u < U; ++u) {
+      const int64_t p = p0 + 32 * u;
+      if (p >= pieces) break;
+      const int64_t k = p * 16;
+      float wf[R][16];
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][m] = fmaf(xv.f[e], wf[r][h * XN + e], acc[r][m]);
-      }
+      for (int r = 0; r < R; ++r) dequantize16(cur[r][u], cur_sc[r][u], wf[r]);
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int h = 0; h < 16 / XN; ++h) {
+          Vec16<T> xv;
+          xv.load(x + m * ldx + k + h * XN);
+#pragma unroll
+          for (int e = 0; e < XN; ++e)
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][m] = fmaf(xv.f[e], wf[r][h * XN + e], acc[r][m]);
+        }
+    }
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -129,12 +158,13 @@ void launch_gemv_m(const Tensor& x, const Linear& lw, int64_t N, const Tensor* b
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRows = 32;
 // Ring stages: a stage is one 128-column block, 64 bytes a lane per 16-row tile.
-constexpr int mma_stages(GemvEpilogue epi) { return epi == GemvEpilogue::SiluMul ? 4 : 6; }
+constexpr int mma_stages(GemvEpilogue epi) { return epi == GemvEpilogue::SiluMul ? 4 : 6; }  // (measured: a73a211)
 constexpr size_t mma_smem(GemvEpilogue epi) {
   return size_t(mma_stages(epi)) * (epi == GemvEpilogue::SiluMul ? 2 : 1) * 4 * 16 * kMmaWarps * 32;
 }
 
-// NT: 8-row tiles of x (M <= 8 * NT).
+// NT: 8-row tiles of x (M <= 8 * NT). Block i takes the 16-row tiles i, i + gridDim.x, ...: its warps' rings run on
+// from one tile into the next (the grid may be persistent).
 template <typename T, typename O, int NT, GemvEpilogue EPI>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_fp8_mma_kernel(const T* __restrict__ x, int64_t ldx, int M, const uint8_t* __restrict__ w, int64_t ldw,
@@ -144,111 +174,140 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   constexpr int R = GATED ? 2 : 1;  // 16-row tiles: rows n0 + [0, 16) (and n0 + N + [0, 16))
   constexpr int P = R * 4;          // a lane's 16-byte pieces per block: [tile][row g, g + 8][64-column half]
   constexpr int STAGES = mma_stages(EPI);
-  extern __shared__ uint4 ring[];   // [stage][piece][thread]; after the loop, part
-  static_assert(sizeof(float) * kMmaWarps * R * NT * 8 * 16 <= mma_smem(EPI), "part fits the ring");
+  extern __shared__ uint4 ring[];   // [stage][piece][thread]
+  __shared__ float part[kMmaWarps][R][NT * 8][16];
   grid_release();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = int64_t(blockIdx.x) * 16;
-  const uint8_t* wr[R][2];
-  const float* sr[R][2];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = min(n0 + g + 8 * h, N - 1) + r * N;  // the last tile's missing rows read row N - 1
-      wr[r][h] = w + row * ldw + 16 * t;
-      sr[r][h] = scale + (row >> shift) * lds;
-    }
+  const int64_t tiles = (N + 15) / 16;
   const int blocks = int(K / kFp8Block), per = (blocks + kMmaWarps - 1) / kMmaWarps;
-  const int b_begin = min(warp * per, blocks), b_end = min(b_begin + per, blocks);
-  auto slot = [&](int b, int piece) -> uint4& {
-    return ring[(((b - b_begin) % STAGES) * P + piece) * (kMmaWarps * 32) + threadIdx.x];
-  };
-  // Block b's pieces into its stage (none past b_end), one commit group either way.
-  auto issue = [&](int b) {
-    if (b < b_end)
+  const int b_begin = min(warp * per, blocks), b_end = min(b_begin + per, blocks), nb = b_end - b_begin;
+  // Weight row h (0: g, 1: g + 8) of tile `tile`'s part r; the last tile's missing rows read row N - 1.
+  auto wrow = [&](int64_t tile, int r, int h) { return min(tile * 16 + g + 8 * h, N - 1) + r * N; };
+  // The warp's item i (its i-th block of weights: tile blockIdx.x + (i / nb) gridDim.x, block b_begin + i % nb)
+  // into stage i % STAGES (nothing past its last tile), one commit group either way.
+  auto issue = [&](int64_t i) {
+    const int64_t tile = nb > 0 ? blockIdx.x + (i / nb) * int64_t(gridDim.x) : tiles;
+    if (tile < tiles) {
+      const int b = b_begin + int(i % nb);
+      uint4* stage = ring + (i % STAGES) * P * (kMmaWarps * 32) + threadIdx.x;
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* src = w + wrow(tile, r, h) * ldw + 16 * t + int64_t(b) * kFp8Block;
 #pragma unroll
-          for (int c = 0; c < 2; ++c)
-            cp_async16(&slot(b, (r * 2 + h) * 2 + c), wr[r][h] + b * kFp8Block + c * 64, true);
+          for (int c = 0; c < 2; ++c) cp_async16(stage + ((r * 2 + h) * 2 + c) * (kMmaWarps * 32), src + c * 64, true);
+        }
+    }
     cp_async_commit();
   };
   const T* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, M - 1) * ldx + 16 * t;  // rows past M read row M - 1
-  float acc[R][NT][4] = {};
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(b_begin + s);  // weights: before the wait
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);  // weights: before the wait
   grid_wait();
-  for (int b = b_begin; b < b_end; ++b) {
-    uint4 xv[NT][2][2];  // [x tile][64-column half][16-byte piece]
+  int64_t item = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const float* sr[R][2];
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint4* xp = reinterpret_cast<const uint4*>(xr[j] + b * kFp8Block + c * 64);
-        xv[j][c][0] = xp[0];
-        xv[j][c][1] = xp[1];
-      }
-    cp_async_wait<STAGES - 2>();  // block b landed
-    uint4 wv[P];
+      for (int h = 0; h < 2; ++h) sr[r][h] = scale + (wrow(tile, r, h) >> shift) * lds;
+    float acc[R][NT][4];
 #pragma unroll
-    for (int i = 0; i < P; ++i) wv[i] = slot(b, i);
-    issue(b + STAGES - 1);  // into the stage block b - 1 left
-    float p[R][NT][4] = {};  // this block's products, scaled into acc after it
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int c = 0; c < 2; ++c)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
+        for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+    for (int b = b_begin; b < b_end; ++b, ++item) {
+      uint4 xv[NT][2][2];  // [x tile][64-column half][16-byte piece]
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t lo = word(wv[(r * 2 + 0) * 2 + c], q), hi = word(wv[(r * 2 + 1) * 2 + c], q);
-          const uint32_t a0 = e4m3x2_to<T>(lo), a2 = e4m3x2_to<T>(lo >> 16);
-          const uint32_t a1 = e4m3x2_to<T>(hi), a3 = e4m3x2_to<T>(hi >> 16);
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
-            mma16816<T>(p[r][j], a0, a1, a2, a3, word(xv[j][c][q >> 1], 2 * (q & 1)),
-                        word(xv[j][c][q >> 1], 2 * (q & 1) + 1));
+        for (int c = 0; c < 2; ++c) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xr[j] + b * kFp8Block + c * 64);
+          xv[j][c][0] = xp[0];
+          xv[j][c][1] = xp[1];
         }
+      cp_async_wait<STAGES - 2>();  // item `item` landed
+      uint4 wv[P];
+      const uint4* stage = ring + (item % STAGES) * P * (kMmaWarps * 32) + threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s0 = __ldg(sr[r][0] + b), s1 = __ldg(sr[r][1] + b);
+      for (int i = 0; i < P; ++i) wv[i] = stage[i * (kMmaWarps * 32)];
+      issue(item + STAGES - 1);  // into the stage item - 1 left
+      float p[R][NT][4];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        acc[r][j][0] = fmaf(p[r][j][0], s0, acc[r][j][0]);
-        acc[r][j][1] = fmaf(p[r][j][1], s0, acc[r][j][1]);
-        acc[r][j][2] = fmaf(p[r][j][2], s1, acc[r][j][2]);
-        acc[r][j][3] = fmaf(p[r][j][3], s1, acc[r][j][3]);
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t lo = word(wv[(r * 2 + 0) * 2 + c], q), hi = word(wv[(r * 2 + 1) * 2 + c], q);
+            const uint32_t a0 = e4m3x2_to<T>(lo), a2 = e4m3x2_to<T>(lo >> 16);
+            const uint32_t a1 = e4m3x2_to<T>(hi), a3 = e4m3x2_to<T>(hi >> 16);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              mma16816<T>(p[r][j], a0, a1, a2, a3, word(xv[j][c][q >> 1], 2 * (q & 1)),
+                          word(xv[j][c][q >> 1], 2 * (q & 1) + 1));
+          }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float s0 = __ldg(sr[r][0] + b), s1 = __ldg(sr[r][1] + b);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          acc[r][j][0] = fmaf(p[r][j][0], s0, acc[r][j][0]);
+          acc[r][j][1] = fmaf(p[r][j][1], s0, acc[r][j][1]);
+          acc[r][j][2] = fmaf(p[r][j][2], s1, acc[r][j][2]);
+          acc[r][j][3] = fmaf(p[r][j][3], s1, acc[r][j][3]);
+        }
       }
     }
+    // c[e] is (row g + 8 * (e / 2), x row 2t + e % 2) of the tile.
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[warp][r][8 * j + 2 * t + (e & 1)][g + 8 * (e >> 1)] = acc[r][j][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT * 8 * 16; i += kMmaWarps * 32) {
+      const int m = i / 16, row = i % 16;
+      const int64_t n = tile * 16 + row;
+      if (m >= M || n >= N) continue;
+      float v[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        v[r] = 0.f;
+#pragma unroll
+        for (int k = 0; k < kMmaWarps; ++k) v[r] += part[k][r][m][row];
+      }
+      gemv_store<T, O, EPI>(out + m * ldo + n, v[0], v[R - 1], bias, bias_t, n);
+    }
+    __syncthreads();  // part is read before the next tile writes it
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free: the warps' sums meet in it
-  float(*part)[R][NT * 8][16] = reinterpret_cast<float(*)[R][NT * 8][16]>(ring);
-  // c[e] is (row g + 8 * (e / 2), x row 2t + e % 2) of the tile.
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[warp][r][8 * j + 2 * t + (e & 1)][g + 8 * (e >> 1)] = acc[r][j][e];
-  __syncthreads();
-  for (int i = threadIdx.x; i < NT * 8 * 16; i += kMmaWarps * 32) {
-    const int m = i / 16, row = i % 16;
-    const int64_t n = n0 + row;
-    if (m >= M || n >= N) continue;
-    float v[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      v[r] = 0.f;
-#pragma unroll
-      for (int k = 0; k < kMmaWarps; ++k) v[r] += part[k][r][m][row];
-    }
-    gemv_store<T, O, EPI>(out + m * ldo + n, v[0], v[R - 1], bias, bias_t, n);
-  }
+}
+
+// Blocks of the tensor-core GEMV's grid for `tiles` 16-row tiles: QWEN_RT_FP8_GEMV_BLOCKS=<n> (read at every call)
+// blocks per SM at most (a persistent grid: each block walks several tiles), 0 or unset one block per tile.
+template <typename Kernel>
+unsigned mma_grid(Kernel kernel, int64_t tiles, size_t smem) {
+  const char* e = std::getenv("QWEN_RT_FP8_GEMV_BLOCKS");
+  const int per_sm = e ? std::max(0, std::atoi(e)) : 0;
+  if (per_sm == 0) return unsigned(tiles);
+  int dev = 0, sms = 0, fit = 0;
+  check(cudaGetDevice(&dev), "fp8 gemv (device)");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "fp8 gemv (SMs)");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kMmaWarps * 32, smem), "fp8 gemv (occupancy)");
+  return unsigned(std::min<int64_t>(tiles, int64_t(sms) * std::max(1, std::min(per_sm, fit))));
 }
 
 template <typename T, typename O, GemvEpilogue EPI>
@@ -259,9 +318,9 @@ void launch_gemv_mma(const Tensor& x, const Linear& lw, int64_t N, const Tensor*
   auto go = [&](auto kernel) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "fp8 gemv (smem attribute)");
-    launch_chained(kernel, ceil_div(N, 16), kMmaWarps * 32, smem, s, x.ptr<T>(), x.stride, int(x.rows),
-                   lw.w.ptr<uint8_t>(), lw.w.stride, lw.scale.ptr<float>(), lw.scale.stride, lw.scale_row_shift,
-                   out.ptr<O>(), out.stride, N, lw.w.cols, bp, bt);
+    launch_chained(kernel, mma_grid(kernel, (N + 15) / 16, smem), kMmaWarps * 32, smem, s, x.ptr<T>(), x.stride,
+                   int(x.rows), lw.w.ptr<uint8_t>(), lw.w.stride, lw.scale.ptr<float>(), lw.scale.stride,
+                   lw.scale_row_shift, out.ptr<O>(), out.stride, N, lw.w.cols, bp, bt);
   };
   if (x.rows <= 8) go(gemv_fp8_mma_kernel<T, O, 1, EPI>);
   else if (x.rows <= 16) go(gemv_fp8_mma_kernel<T, O, 2, EPI>);
