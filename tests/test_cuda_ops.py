@@ -998,16 +998,63 @@ def test_gated_delta_rule(cpu, act, shape, batch):
     ref, ref_state = (np.asarray(x) for x in cpu.gated_delta_rule(*args))
     out, out_state = (np.asarray(x) for x in harness(DEVICE, act).gated_delta_rule(*args))
     assert np.all(np.isfinite(ref)) and np.all(np.isfinite(ref_state[slots]))
-    # The output is rounded to the activation dtype; the state is fp32 on both sides, from the same
-    # (rounded) inputs: it differs only by the order of fp32 sums, over up to 300 recurrent steps.
-    out_tol = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}[act]
     for s, slot in enumerate(slots):
+        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s])
         rows = slice(q_start[s], q_start[s + 1])
         err = rel(out[rows], ref[rows])
         assert err < out_tol, f"sequence {s} (q_len {q_lens[s]}): output rel err {err:.3g}"
         err = rel(out_state[slot], ref_state[slot])
-        assert err < 1e-4, f"sequence {s} (q_len {q_lens[s]}): state rel err {err:.3g}"
+        assert err < state_tol, f"sequence {s} (q_len {q_lens[s]}): state rel err {err:.3g}"
     assert np.array_equal(out_state[untouched], state[untouched])
+
+
+def takes_chunks(act, dk, dv, q_len):
+    """Whether the CUDA delta rule runs a sequence in chunks of 64 on tensor cores (gdn.cu's plan_delta_rule)."""
+    return act != "float32" and dk in (64, 128) and dv % 32 == 0 and dv <= 128 and q_len >= 64
+
+
+def delta_rule_tolerances(act, dk, dv, q_len):
+    """(output, state) relative tolerances against the CPU's fp32 token loop. The token loop: the output is rounded
+    to the activation dtype; the state is fp32 on both sides, from the same (rounded) inputs, and differs only by
+    the order of fp32 sums over up to 300 steps. The chunked form multiplies 16-bit operands (the state and the
+    deltas rounded to the activation dtype; host emulation against fp64, 150 rows: 3.5e-3 bf16, 5e-4 f16)."""
+    if takes_chunks(act, dk, dv, q_len):
+        return {"bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}[act]
+    return {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}[act], 1e-4
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
+    """The chunked form against the token loop (QWEN_RT_DELTA_RULE=loop) on Qwen3.8-27B's head sizes: close, and
+    with windows of one chunk slot (QWEN_RT_DELTA_RULE_WINDOW=1) the same bits as in one window; a short sequence
+    among chunked ones gets the token loop's bits."""
+    hk, hv, dk, dv = 2, 6, 128, 128
+    q_lens, starts = [200, 5, 64, 129], [0, 3, 40, 0]
+    rng = np.random.default_rng(41)
+    q_start, ctx_len, slots, num_slots = state_batch(rng, q_lens, starts)
+    qkv, a, b, a_log, dt_bias, state = gdn_inputs(rng, int(q_start[-1]), hk, hv, dk, dv, num_slots, act)
+    args = (qkv, a, b, a_log, dt_bias, state, q_start, ctx_len, slots, hk, hv, dk, dv)
+    g = harness(DEVICE, act)
+
+    def run(**env):
+        for k in ("QWEN_RT_DELTA_RULE", "QWEN_RT_DELTA_RULE_WINDOW"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return tuple(np.asarray(x) for x in g.gated_delta_rule(*args))
+
+    out, st = run()
+    out_w, st_w = run(QWEN_RT_DELTA_RULE_WINDOW="1")
+    out_l, st_l = run(QWEN_RT_DELTA_RULE="loop")
+    assert np.array_equal(out, out_w) and np.array_equal(st, st_w)
+    short = slice(q_start[1], q_start[2])
+    assert np.array_equal(out[short], out_l[short]) and np.array_equal(st[slots[1]], st_l[slots[1]])
+    for s in (0, 2, 3):
+        rows = slice(q_start[s], q_start[s + 1])
+        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s])
+        assert rel(out[rows], out_l[rows]) < out_tol, s
+        assert rel(st[slots[s]], st_l[slots[s]]) < state_tol, s
+        assert not np.array_equal(out[rows], out_l[rows]), s  # the chunked form ran
 
 
 @pytest.mark.parametrize("act", ["float32", "bfloat16"])
@@ -1042,6 +1089,13 @@ def test_delta_net_ops_do_not_depend_on_the_batch(act):
                                                              *alone, hk, hv, dk, dv))
     assert np.array_equal(out_b[rows], out_a)
     assert np.array_equal(st_b[3], st_a[3])
+    # Sequence 1 (64 rows: in chunks where 16-bit) alone.
+    rows = slice(q_start[1], q_start[2])
+    alone = (np.asarray([0, 64], np.int32), np.asarray([64], np.int32), np.asarray([1], np.int32))
+    out_a, st_a = (np.asarray(o) for o in g.gated_delta_rule(qkv[rows], a[rows], b[rows], a_log, dt_bias, state,
+                                                             *alone, hk, hv, dk, dv))
+    assert np.array_equal(out_b[rows], out_a)
+    assert np.array_equal(st_b[1], st_a[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """Cuts the kernels the host emulator runs (tests/cuda_emu/*.cpp) out of the CUDA sources as they are, into
-<out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue).
+<out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue); gdn
+(gdn.cu's gated delta rule, the token loop and the chunked form, with their host side).
 Usage: python cut.py <cpp/backend/cuda> <out>."""
 import sys
 from pathlib import Path
 
 RING = ("extern __shared__ uint4 ring[];", "uint4* ring = reinterpret_cast<uint4*>(emu::blk->smem.data());")
+GDN_SMEM = ("extern __shared__ __align__(16) unsigned char gdn_smem[];",
+            "unsigned char* gdn_smem = emu::blk->smem.data();")
 
 
 def cut(text: str, start: str, end: str) -> str:
@@ -16,12 +19,17 @@ def cut(text: str, start: str, end: str) -> str:
 def sources(src: Path) -> dict[str, str]:
     c = (src / "cuda_common.cuh").read_text()
     f = (src / "fp8.cu").read_text()
+    g = (src / "gdn.cu").read_text()
     return {
         "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
                      cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
                      cut(f, "template <typename T, typename O, int M, GemvEpilogue EPI>",
                          "// Rows [n0, n0 + dst.rows) of w dequantized") +
                      cut(f, "bool gemv_fp8_mma(const Tensor& x", "void launch_dequantize_fp8(")),
+        "gdn": (cut(c, "struct DeltaRulePlan {", "DeltaRulePlan plan_delta_rule(") + "namespace {\n" +
+                cut(g, "__device__ __forceinline__ float sigmoid", "// Whether the element ranges") +
+                cut(g, "// ---- gated delta rule ----", "}  // namespace\n") + "}  // namespace\n" +
+                cut(g, "DeltaRulePlan plan_delta_rule(", "}  // namespace qrt::cuda")),
     }
 
 
@@ -29,4 +37,4 @@ if __name__ == "__main__":
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     for name, body in sources(Path(sys.argv[1])).items():
-        (out / f"{name}.inc").write_text(body.replace(*RING))
+        (out / f"{name}.inc").write_text(body.replace(*RING).replace(*GDN_SMEM))

@@ -171,6 +171,11 @@ template <typename V> inline V exchange(V v, int src) {
 }  // namespace emu
 template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) { return emu::exchange(v, (threadIdx.x & 31) ^ mask); }
 template <typename V> inline V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, src); }
+template <typename V> inline V __shfl_up_sync(unsigned, V v, unsigned delta) {
+  const int lane = threadIdx.x & 31;
+  const V u = emu::exchange(v, lane >= int(delta) ? lane - int(delta) : lane);
+  return u;
+}
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

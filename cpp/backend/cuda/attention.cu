@@ -596,16 +596,6 @@ __device__ __forceinline__ void mma_pair(float (&c)[MT][N][4], int n, const uint
   }
 }
 
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // FP8: the cache is fp8 (ops.h KvLayer); each thread loads its share of the next tile's K/V into registers before
 // computing this one, then stores it, times the scales and rounded to T, into the other stage.
 template <typename T, int D, int WARPS, int MT, bool FP8>

@@ -65,7 +65,7 @@ void CudaBackend::cleanup() noexcept {
   if (move_stream_) cudaStreamSynchronize(move_stream_);
   drop_graphs();
   for (Scratch* s : {&w_conv_, &x_conv_, &fp8_x_, &attn_ws_, &sample_in_, &sample_stats_, &sample_x_,
-                     &sample_io_[0].dev_out, &sample_io_[1].dev_out, &segments_, &move_segments_}) {
+                     &sample_io_[0].dev_out, &sample_io_[1].dev_out, &segments_, &move_segments_, &delta_chunks_}) {
     if (s->p) cudaFree(s->p);
     s->p = nullptr;
     s->bytes = 0;
@@ -566,7 +566,9 @@ void CudaBackend::gated_delta_rule(const Tensor& qkv, const Tensor& a, const Ten
                                    const Tensor& dt_bias, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
                                    Tensor& out) {
   set_device();
-  launch_gated_delta_rule(qkv, a, bt, a_log, dt_bias, b, s, st, out, stream_);
+  const DeltaRulePlan plan = plan_delta_rule(qkv, b, s, out);
+  void* chunks = plan.scratch_bytes ? scratch(delta_chunks_, plan.scratch_bytes, "delta rule chunks") : nullptr;
+  launch_gated_delta_rule(qkv, a, bt, a_log, dt_bias, b, s, st, out, plan, chunks, stream_);
 }
 void CudaBackend::summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols) {
   set_device();

@@ -158,6 +158,7 @@ class CudaBackend final : public Backend {
   uint64_t samples_started_ = 0, samples_finished_ = 0;
   const int32_t* sampled_ = nullptr;  // device tokens of the last started sampling
   Scratch w_conv_, x_conv_, fp8_x_, attn_ws_, sample_in_, sample_stats_, sample_x_;
+  Scratch delta_chunks_;  // the chunked delta rule's records (gdn.cu)
   std::vector<void*> retired_;
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;

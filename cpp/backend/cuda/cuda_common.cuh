@@ -69,6 +69,17 @@ __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uin
   }
 }
 
+// lo and hi rounded to T, as one 32-bit word (lo in the low half): an mma operand pair.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // 32-bit word i of a 16-byte piece.
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -329,9 +340,21 @@ void launch_sigmoid_mul(Tensor& x, const Tensor& gate, cudaStream_t s);
 void launch_gated_rms_norm(Tensor& x, const Tensor& z, const Tensor& w, float eps, int head_dim, cudaStream_t s);
 void launch_causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& sh,
                           StateLayer& st, Tensor& out, cudaStream_t s);
+// How a call of the gated delta rule runs: sequences of chunk_min rows or more with a state slot in chunks of 64 on
+// tensor cores (kNone: every sequence on the token loop; 16-bit activations, key heads of 64 or 128, value heads
+// of a multiple of 32 up to 128, no kept states), the rest on the token loop; the chunks' records go through a
+// scratch of scratch_bytes, window chunk slots at a time, of at most `slots` (QWEN_RT_DELTA_RULE=loop: the token
+// loop only; QWEN_RT_DELTA_RULE_WINDOW=n: windows of n slots; both read at every call).
+struct DeltaRulePlan {
+  static constexpr int kNone = 1 << 30;
+  int chunk_min = kNone;
+  int64_t slots = 0, window = 0;
+  size_t scratch_bytes = 0;
+};
+DeltaRulePlan plan_delta_rule(const Tensor& qkv, const AttnBatch& b, const DeltaNetShape& sh, const Tensor& out);
 void launch_gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& a_log,
                              const Tensor& dt_bias, const AttnBatch& batch, const DeltaNetShape& sh, StateLayer& st,
-                             Tensor& out, cudaStream_t s);
+                             Tensor& out, const DeltaRulePlan& plan, void* scratch, cudaStream_t s);
 
 // Sparse decode (sparse.cu): Backend::summarize_pages and select_pages.
 void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols, cudaStream_t s);
