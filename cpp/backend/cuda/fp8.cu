@@ -214,13 +214,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h) sr[r][h] = scale + (wrow(tile, r, h) >> shift) * lds;
-    float acc[R][NT][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+    float acc[R][NT][4] = {};
     for (int b = b_begin; b < b_end; ++b, ++item) {
       uint4 xv[NT][2][2];  // [x tile][64-column half][16-byte piece]
 #pragma unroll
@@ -237,13 +231,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
       for (int i = 0; i < P; ++i) wv[i] = stage[i * (kMmaWarps * 32)];
       issue(item + STAGES - 1);  // into the stage item - 1 left
-      float p[R][NT][4];
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) p[r][j][e] = 0.f;
+      float p[R][NT][4] = {};  // this item's products, scaled into acc after it
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
