@@ -40,11 +40,13 @@ def test_greedy_fp32_equals_transformers(build, name):
         assert not M.greedy_mismatch(folder, p, c.token_ids, 12), name
 
 
-@pytest.mark.parametrize("name,length", [("qwen3_hd128_gqa2", 20), ("qwen2_hd64_bias", 20), ("qwen35_hd256", 20),
-                                         ("qwen35_hd256", 150)])  # 150: the delta rule in chunks of 64
-def test_bf16_logprobs_close(build, name, length):
+@pytest.mark.parametrize("name,length,delta_rule", [
+    ("qwen3_hd128_gqa2", 20, "loop"), ("qwen2_hd64_bias", 20, "loop"), ("qwen35_hd256", 20, "loop"),
+    ("qwen35_hd256", 150, "loop"), ("qwen35_hd256", 150, "chunks")])  # chunks: QWEN_RT_DELTA_RULE=chunks
+def test_bf16_logprobs_close(build, name, length, delta_rule, monkeypatch):
     """bf16 mode: top-5 logprobs of the first token stay as close to transformers' fp32 ones as
     transformers' own bf16 run does (at most twice its error, plus 0.02)."""
+    monkeypatch.setenv("QWEN_RT_DELTA_RULE", delta_rule)
     folder = build(name)
     p = M.pick_prompts(folder, seed=5, lengths=[length], max_new=1)[0]
     with cuda_gen(folder, dtype="bfloat16") as g:

@@ -8,6 +8,7 @@ Skipped without a CUDA device or without the native module.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -575,6 +576,15 @@ def test_attention_decode(cpu, act, case):
     run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", [c for c in DECODE_CASES if c[4] == 256],
+                         ids=lambda c: f"decode-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
+def test_attention_decode_head_dim_256_on_the_decode_kernel(cpu, act, case, monkeypatch):
+    """QWEN_RT_DECODE_ATTN=all: the tensor-core decode kernel at head_dim 256 (not yet the default)."""
+    monkeypatch.setenv("QWEN_RT_DECODE_ATTN", "all")
+    run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
+
+
 # The bf16/fp16 prefill kernel for head_dim 64/128: the mma.sync tile kernel, or on an sm_90 device with an
 # sm_90a build the wgmma kernel, alone or with its warpgroups taking turns (elsewhere both run the tile kernel).
 PREFILL_ATTN = ["mma", "wgmma", "pingpong"]
@@ -602,10 +612,12 @@ FP8_CACHE_CASES = DECODE_CASES[:6] + [DECODE_CASES[7]] + DECODE_CASES[9:11] + PR
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("case", FP8_CACHE_CASES, ids=lambda c: f"{c[0][:3]}-{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
-def test_attention_fp8_cache(cpu, act, case):
-    """An fp8 KV cache (decode: the decode kernel for 16-bit head_dim 128/256, else the rows kernel; prefill: the tile
-    kernel converting as it stages): the rows write_kv quantizes equal the CPU's bit for bit (the same values in, the
-    same rule), and the output is the CPU's."""
+@pytest.mark.parametrize("decode", ["rows", "all"])
+def test_attention_fp8_cache(cpu, act, case, decode, monkeypatch):
+    """An fp8 KV cache (decode: the rows kernel, or with QWEN_RT_DECODE_ATTN=all the decode kernel for 16-bit
+    head_dim 128/256; prefill: the tile kernel converting as it stages): the rows write_kv quantizes equal the CPU's
+    bit for bit (the same values in, the same rule), and the output is the CPU's."""
+    monkeypatch.setenv("QWEN_RT_DECODE_ATTN", decode)
     run_attention(cpu, act, *case, seed=7 + case[4], kv_dtype="float8_e4m3")
 
 
@@ -985,7 +997,9 @@ def gdn_inputs(rng, T, hk, hv, dk, dv, num_slots, act):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("batch", STATE_BATCHES, ids=lambda b: f"{b[0]}-{b[1]}")
-def test_gated_delta_rule(cpu, act, shape, batch):
+@pytest.mark.parametrize("form", ["loop", "chunks"])
+def test_gated_delta_rule(cpu, act, shape, batch, form, monkeypatch):
+    monkeypatch.setenv("QWEN_RT_DELTA_RULE", form)
     hk, hv, dk, dv = shape
     q_lens, starts = batch
     rng = np.random.default_rng(sum(shape) + sum(q_lens))
@@ -1009,8 +1023,10 @@ def test_gated_delta_rule(cpu, act, shape, batch):
 
 
 def takes_chunks(act, dk, dv, q_len):
-    """Whether the CUDA delta rule runs a sequence in chunks of 64 on tensor cores (gdn.cu's plan_delta_rule)."""
-    return act != "float32" and dk in (64, 128) and dv % 32 == 0 and dv <= 128 and q_len >= 64
+    """Whether the CUDA delta rule runs a sequence in chunks of 64 on tensor cores (gdn.cu's plan_delta_rule, with
+    QWEN_RT_DELTA_RULE=chunks: not yet the default)."""
+    return os.environ.get("QWEN_RT_DELTA_RULE") == "chunks" and act != "float32" and dk in (64, 128) and \
+        dv % 32 == 0 and dv <= 128 and q_len >= 64
 
 
 def delta_rule_tolerances(act, dk, dv, q_len):
@@ -1025,7 +1041,7 @@ def delta_rule_tolerances(act, dk, dv, q_len):
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
-    """The chunked form against the token loop (QWEN_RT_DELTA_RULE=loop) on Qwen3.8-27B's head sizes: close, and
+    """The chunked form (QWEN_RT_DELTA_RULE=chunks) against the token loop on Qwen3.8-27B's head sizes: close, and
     with windows of one chunk slot (QWEN_RT_DELTA_RULE_WINDOW=1) the same bits as in one window; a short sequence
     among chunked ones gets the token loop's bits."""
     hk, hv, dk, dv = 2, 6, 128, 128
@@ -1043,8 +1059,8 @@ def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
             monkeypatch.setenv(k, v)
         return tuple(np.asarray(x) for x in g.gated_delta_rule(*args))
 
-    out, st = run()
-    out_w, st_w = run(QWEN_RT_DELTA_RULE_WINDOW="1")
+    out, st = run(QWEN_RT_DELTA_RULE="chunks")
+    out_w, st_w = run(QWEN_RT_DELTA_RULE="chunks", QWEN_RT_DELTA_RULE_WINDOW="1")
     out_l, st_l = run(QWEN_RT_DELTA_RULE="loop")
     assert np.array_equal(out, out_w) and np.array_equal(st, st_w)
     short = slice(q_start[1], q_start[2])
@@ -1058,10 +1074,12 @@ def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
 
 
 @pytest.mark.parametrize("act", ["float32", "bfloat16"])
-def test_delta_net_ops_do_not_depend_on_the_batch(act):
+@pytest.mark.parametrize("form", ["loop", "chunks"])
+def test_delta_net_ops_do_not_depend_on_the_batch(act, form, monkeypatch):
     """A sequence's conv and delta-rule outputs and new states are bitwise the same alone and among batch mates
     (decode and prefill, before and after it, on other slots; alone it is short enough for the conv's one token
-    group per block, among them it is split into groups)."""
+    group per block, among them it is split into groups), with the delta rule in either form."""
+    monkeypatch.setenv("QWEN_RT_DELTA_RULE", form)
     hk, hv, dk, dv, kernel = 2, 6, 128, 128, 4
     C = conv_channels(hk, hv, dk, dv)
     rng = np.random.default_rng(23)
