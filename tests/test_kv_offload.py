@@ -128,11 +128,15 @@ def test_offload_arguments(build):
 @pytest.mark.cuda
 @pytest.mark.parametrize("name,dtype", [("qwen3_hd64_gqa4", "float32"), ("qwen35_hd256", "float32"),
                                         ("qwen3_hd128_gqa2", "bfloat16")])
-def test_cuda_host_tier_equals_the_device_pool(build, fresh_gen, name, dtype):
+@pytest.mark.parametrize("move_stream", ["0", "1"])
+def test_cuda_host_tier_equals_the_device_pool(build, fresh_gen, name, dtype, move_stream, monkeypatch):
     """On the GPU: pages in pinned host memory, read in place by the attention kernels (decode and prefill), give
-    the output of a device pool that holds everything; with sparse attention too."""
+    the output of a device pool that holds everything; with sparse attention too; the page moves on the step's stream
+    or (QWEN_RT_MOVE_STREAM=1, not yet the default) on their own beside the step before."""
     import qwen_rt
     from qwen_rt import _core
+
+    monkeypatch.setenv("QWEN_RT_MOVE_STREAM", move_stream)
 
     if _core.cuda_device_count() == 0:
         pytest.skip("no CUDA device (or the CUDA plugin is missing)")

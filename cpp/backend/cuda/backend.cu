@@ -230,6 +230,10 @@ void CudaBackend::copy_segments(const std::vector<CopySegment>& segs) {
 void CudaBackend::move_pages(const std::vector<CopySegment>& out, const std::vector<CopySegment>& in, bool beside) {
   set_device();
   no_capture("move_pages");
+  // Beside the step before (the moves' own stream) only with QWEN_RT_MOVE_STREAM=1: not yet the default, as that
+  // path has not run on a GPU. Read at every call (the tests set it).
+  const char* own = std::getenv("QWEN_RT_MOVE_STREAM");
+  beside = beside && own && std::strcmp(own, "1") == 0;
   if (!step_begin_) {
     check(cudaStreamCreateWithFlags(&move_stream_, cudaStreamNonBlocking), "cudaStreamCreate (page moves)");
     check(cudaEventCreateWithFlags(&step_begin_, cudaEventDisableTiming), "cudaEventCreate");
