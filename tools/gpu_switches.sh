@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU work that is not yet the default (cpp/README.md's switches: QWEN_RT_DELTA_RULE=chunks,
+# QWEN_RT_DECODE_ATTN=all, QWEN_RT_PREFILL_ATTN=wgmma at head_dim 256, QWEN_RT_MOVE_STREAM=1,
+# QWEN_RT_FP8_GEMV_BLOCKS) in one or two device calls: build, `pytest -m cuda` (the tests run both forms of each
+# switch), then each switch against the default. Carry build/cutlass (CUTLASS's include folder, from pip's
+# nvidia-cutlass: cutlass_library/source/include) for the W8A8 GEMM.
+# Everything under $OUT is packed into all.tgz (the device tool brings back 8 files at most).
+#   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
+#   tools/gpu_switches.sh prefill_wgmma decode longctx profile   (a second, on the warm machine)
+set -uo pipefail
+OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 QWEN_RT_PROGRESS=0
+export QWEN_RT_COMMIT=${QWEN_RT_COMMIT:-unknown} CUTLASS_DIR=$PWD/build/cutlass
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+bench() {  # name, timeout, args...
+  local name=$1 t=$2; shift 2
+  timeout "$t" "$@" --json "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1
+  echo "== $name rc $? $(el)"; grep -v "^{" "$OUT/$name.log" | grep -v "^measured" | tail -9
+}
+# The device brings back 8 files at most: one archive of everything, also when the call is stopped.
+pack() { (cd "$OUT" && tar czf all.tgz --remove-files $(ls | grep -v '^all.tgz$')); }
+trap pack EXIT
+for part in "$@"; do case $part in
+build)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  QWEN_RT_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a -C build-dir=build/gpu . > "$OUT/build.log" 2>&1 \
+    || { grep -E "error" "$OUT/build.log" | head -30; tail -20 "$OUT/build.log"; exit 1; }
+  grep -i "cutlass" "$OUT/build.log" | head -2; echo "build $(el)";;
+tests)
+  timeout ${TEST_TIMEOUT:-180} python3 -m pytest -m "cuda and not alone" -n 4 -q -p no:cacheprovider ${TESTS:-tests} \
+    > "$OUT/pytest_cuda.log" 2>&1
+  tail -3 "$OUT/pytest_cuda.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest_cuda.log" | head -30
+  timeout 60 python3 -m pytest -m "cuda and alone" -q -p no:cacheprovider tests > "$OUT/pytest_alone.log" 2>&1
+  tail -2 "$OUT/pytest_alone.log"; echo "tests $(el)";;
+decode)
+  D="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8 --quantization fp8"
+  bench decode_fp8 90 $D
+  bench decode_fp8_all 90 env QWEN_RT_DECODE_ATTN=all $D
+  bench decode_fp8_blocks2 90 env QWEN_RT_DECODE_ATTN=all QWEN_RT_FP8_GEMV_BLOCKS=2 $D;;
+longctx)
+  L="python3 -m qwen_rt.bench gpu --parts longctx --longctx-lengths 32768 --longctx-budgets= --longctx-kv auto,fp8"
+  L="$L --longctx-synthetic-from 32768 --quantization fp8 --new-tokens 16"
+  bench longctx 90 $L
+  bench longctx_all 90 env QWEN_RT_DECODE_ATTN=all $L;;
+prefill)
+  P="python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b --prefill-lengths 8192"
+  bench prefill 75 $P
+  bench prefill_chunks 75 env QWEN_RT_DELTA_RULE=chunks $P;;
+prefill_wgmma)
+  P="python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b --prefill-lengths 8192"
+  bench prefill_chunks_wgmma 75 env QWEN_RT_DELTA_RULE=chunks QWEN_RT_PREFILL_ATTN=wgmma $P;;
+profile)
+  timeout 100 python3 -m qwen_rt.bench gpu --parts gemm --gemm-rows 1024,8192 --json "$OUT/gemm.jsonl" 2>&1 \
+    | grep -v "^{" > "$OUT/gemm.log"; tail -14 "$OUT/gemm.log"; echo "gemm $(el)"
+  QWEN_RT_PDL=0 timeout 150 python3 tools/profile_decode.py --model qwen3.8-27b --prompt-len 8192 --tokens 0 \
+    --out "$OUT/prefill8k_profile.txt" > "$OUT/prefill8k_profile.log" 2>&1; echo "profile rc $? $(el)"
+  head -30 "$OUT/prefill8k_profile.txt";;
+esac; done
