@@ -1,9 +1,10 @@
 """The CUDA kernels without a GPU: tests/cuda_emu/*.cpp run kernels cut out of cpp/backend/cuda as they are
 (cut.py) on a host emulation of CUDA (emu.h: a block is a set of threads with a barrier, mma.sync and warp
 shuffles are warp-wide exchanges in PTX's fragment layouts), each against an fp64 reference: the FP8 GEMVs
-(CUDA cores at 1 row, tensor cores at 2-32, every epilogue) and the gated delta rule (the token loop and the
-chunked form). This checks their logic and indexing on every CPU
-run; speed and the hardware's own behaviour need the GPU tests.
+(CUDA cores at 1 row, tensor cores at 2-32, every epilogue), the gated delta rule (the token loop and the
+chunked form) and the tensor-core decode attention (head_dim 64-256, 16-bit and e4m3 caches, the host tier,
+splits). This checks their logic and indexing on every CPU run; speed and the hardware's own behaviour need the
+GPU tests.
 QRT_EMU_SANITIZE=address or thread builds with that sanitizer (thread: a missing __syncthreads is a data race)."""
 import os
 import shutil
@@ -26,7 +27,7 @@ def cut_dir(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("harness", ["fp8_gemv", "gdn"])
+@pytest.mark.parametrize("harness", ["fp8_gemv", "gdn", "attn_decode"])
 def test_kernel_on_the_host_emulator(cut_dir, harness):
     sanitize = os.environ.get("QRT_EMU_SANITIZE")
     flags = ["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]

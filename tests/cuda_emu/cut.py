@@ -1,6 +1,7 @@
 """Cuts the kernels the host emulator runs (tests/cuda_emu/*.cpp) out of the CUDA sources as they are, into
 <out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue); gdn
-(gdn.cu's gated delta rule, the token loop and the chunked form, with their host side).
+(gdn.cu's gated delta rule, the token loop and the chunked form, with their host side); attn_decode (attention.cu's
+tensor-core decode kernel, the split combine and their host side).
 Usage: python cut.py <cpp/backend/cuda> <out>."""
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ def sources(src: Path) -> dict[str, str]:
     c = (src / "cuda_common.cuh").read_text()
     f = (src / "fp8.cu").read_text()
     g = (src / "gdn.cu").read_text()
+    a = (src / "attention.cu").read_text()
     return {
         "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
                      cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
@@ -30,6 +32,15 @@ def sources(src: Path) -> dict[str, str]:
                 cut(g, "__device__ __forceinline__ float sigmoid", "// Whether the element ranges") +
                 cut(g, "// ---- gated delta rule ----", "}  // namespace\n") + "}  // namespace\n" +
                 cut(g, "DeltaRulePlan plan_delta_rule(", "}  // namespace qrt::cuda")),
+        "attn_decode": (cut(c, "struct AttnWorkspace {", "size_t attn_workspace_bytes(") + "namespace {\n" +
+                        cut(a, "constexpr int kRowThreads = 128;", "__device__ __forceinline__ float2 load2(") +
+                        cut(a, "// What both attention kernels read", "// T: q and out; C: the cache's elements") +
+                        cut(a, "// nsplit > 1: block (row, query head) merges", "// ====") +
+                        cut(a, "constexpr int kDecWarps = 4;", "// ====") +
+                        cut(a, "// The decode kernel takes one-query-row", "void check_shape(") +
+                        cut(a, "void attn_args(", "template <typename T, typename C, int D>\nvoid run_rows(") +
+                        cut(a, "template <typename T, typename C, int D, bool FUSED>\nvoid run_decode(",
+                            "template <typename T, int D, int WARPS, int MT, bool FP8 = false>") + "}  // namespace\n"),
     }
 
 

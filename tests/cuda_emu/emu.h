@@ -169,12 +169,13 @@ template <typename V> inline V exchange(V v, int src) {
   return r;
 }
 }  // namespace emu
-template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) { return emu::exchange(v, (threadIdx.x & 31) ^ mask); }
+template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) {
+  return emu::exchange(v, (threadIdx.x & 31) ^ mask);
+}
 template <typename V> inline V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, src); }
-template <typename V> inline V __shfl_up_sync(unsigned, V v, unsigned delta) {
+template <typename V> inline V __shfl_up_sync(unsigned, V v, unsigned delta) {  // lanes below delta keep v
   const int lane = threadIdx.x & 31;
-  const V u = emu::exchange(v, lane >= int(delta) ? lane - int(delta) : lane);
-  return u;
+  return emu::exchange(v, lane >= int(delta) ? lane - int(delta) : lane);
 }
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
