@@ -7,6 +7,7 @@
 # Everything under $OUT is packed into all.tgz (the device tool brings back 8 files at most).
 #   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
 #   tools/gpu_switches.sh prefill_wgmma decode longctx profile   (a second, on the warm machine)
+#   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 QWEN_RT_PROGRESS=0
@@ -50,6 +51,10 @@ prefill)
 prefill_wgmma)
   P="python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b --prefill-lengths 8192"
   bench prefill_chunks_wgmma 75 env QWEN_RT_DELTA_RULE=chunks QWEN_RT_PREFILL_ATTN=wgmma $P;;
+concurrency)  # bf16 decode by batch: the 16-bit GEMV up to 8 rows at K > 3072 (QWEN_RT_GEMV_ROWS=8) against cuBLASLt
+  C="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8"
+  bench decode_bf16 100 $C
+  bench decode_bf16_gemv8 100 env QWEN_RT_GEMV_ROWS=8 $C;;
 profile)
   timeout 100 python3 -m qwen_rt.bench gpu --parts gemm --gemm-rows 1024,8192 --json "$OUT/gemm.jsonl" 2>&1 \
     | grep -v "^{" > "$OUT/gemm.log"; tail -14 "$OUT/gemm.log"; echo "gemm $(el)"
