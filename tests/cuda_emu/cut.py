@@ -1,12 +1,17 @@
 """Cuts the kernels the host emulator runs (tests/cuda_emu/*.cpp) out of the CUDA sources as they are, into
 <out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue); gdn
 (gdn.cu's gated delta rule, the token loop and the chunked form, with their host side); attn_decode (attention.cu's
-tensor-core decode kernel, the split combine and their host side).
+tensor-core decode kernel, the split combine and their host side); attn_tile (attention.cu's prefill tile kernel and
+launch_tile, its <<<>>> launch as an emulated one).
 Usage: python cut.py <cpp/backend/cuda> <out>."""
 import sys
 from pathlib import Path
 
 RING = ("extern __shared__ uint4 ring[];", "uint4* ring = reinterpret_cast<uint4*>(emu::blk->smem.data());")
+TILE_SMEM = ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+             "unsigned char* smem_raw = emu::blk->smem.data();")
+TILE_LAUNCH = ("kernel<<<grid, Cfg::kThreads, Cfg::smem, st>>>(a);",
+               "launch_chained(kernel, grid, Cfg::kThreads, Cfg::smem, st, a);")
 GDN_SMEM = ("extern __shared__ __align__(16) unsigned char gdn_smem[];",
             "unsigned char* gdn_smem = emu::blk->smem.data();")
 
@@ -41,6 +46,15 @@ def sources(src: Path) -> dict[str, str]:
                         cut(a, "void attn_args(", "template <typename T, typename C, int D>\nvoid run_rows(") +
                         cut(a, "template <typename T, typename C, int D, bool FUSED>\nvoid run_decode(",
                             "template <typename T, int D, int WARPS, int MT, bool FP8 = false>") + "}  // namespace\n"),
+        "attn_tile": (cut(c, "struct AttnWorkspace {", "size_t attn_workspace_bytes(") + "namespace {\n" +
+                      cut(a, "constexpr int kRowThreads = 128;", "__device__ __forceinline__ float2 load2(") +
+                      cut(a, "// What both attention kernels read", "struct RowsArgs : AttnArgs {") +
+                      cut(a, "template <int D, int WARPS, int MT> struct TileCfg",
+                          "__device__ __forceinline__ void ldsm_x4(") +
+                      cut(a, "// c[mt][n] += a[mt] b[0..1]", "#include \"backend/cuda/attention_sm90.cuh\"") +
+                      cut(a, "void attn_args(", "RowsArgs rows_args(") +
+                      cut(a, "template <typename T, int D, int WARPS, int MT, bool FP8 = false>\nvoid launch_tile(",
+                          "template <typename T, int D, int BN, int WG, int STAGES, int PIPE>") + "}  // namespace\n"),
     }
 
 
@@ -48,4 +62,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     for name, body in sources(Path(sys.argv[1])).items():
-        (out / f"{name}.inc").write_text(body.replace(*RING).replace(*GDN_SMEM))
+        for old, new in (RING, GDN_SMEM, TILE_SMEM, TILE_LAUNCH):
+            body = body.replace(old, new)
+        (out / f"{name}.inc").write_text(body)

@@ -35,6 +35,7 @@ struct uint4 { uint32_t x, y, z, w; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
   dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
@@ -101,6 +102,19 @@ template <> inline __half from_f<__half>(float v) {
   return {uint16_t(s | (E << 10) | mant)};
 }
 inline float __half2float(__half h) { return to_f(h); }
+// cuda_fp8.h's pair conversion, as the kernels call it: __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(v, E4M3))).
+using __nv_fp8x2_storage_t = uint16_t;
+constexpr int __NV_E4M3 = 0;
+struct __half2_raw { float x, y; };  // as floats: an e4m3 value is exactly a half
+struct __half2 {
+  float x, y;
+  explicit __half2(const __half2_raw& r) : x(r.x), y(r.y) {}
+};
+inline float e4m3_to_float(uint32_t b);
+inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t v, int) {
+  return {e4m3_to_float(v & 0xff), e4m3_to_float(v >> 8)};
+}
+inline float2 __half22float2(const __half2& h) { return {h.x, h.y}; }
 inline __half __ushort_as_half(unsigned short u) { return {u}; }
 template <typename T> inline uint32_t pack2(float lo, float hi) {
   return uint32_t(from_f<T>(lo).bits) | (uint32_t(from_f<T>(hi).bits) << 16);
@@ -186,6 +200,39 @@ inline float warp_max(float v) {
   return v;
 }
 
+// A shared-memory address (32-bit, as cvta.to.shared gives it): the offset into the block's dynamic shared memory.
+inline unsigned __cvta_generic_to_shared(const void* p) {
+  return unsigned(static_cast<const unsigned char*>(p) - emu::blk->smem.data());
+}
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8 i .. 8 i + 7 give the row addresses of matrix i; lane l
+// gets matrix i's row l / 4, elements 2 (l % 4) and + 1 (trans: column l / 4, rows 2 (l % 4) and + 1) in r[i].
+inline void ldmatrix_x4(unsigned addr, uint32_t (&r)[4], bool trans) {
+  emu::Warp& w = emu::my_warp();
+  const int lane = threadIdx.x & 31;
+  w.word[lane] = addr;
+  w.bar.arrive_and_wait();
+  const unsigned char* base = emu::blk->smem.data();
+  auto elem = [&](int row_lane, int col) {
+    uint16_t v;
+    std::memcpy(&v, base + w.word[row_lane] + 2 * col, 2);
+    return uint32_t(v);
+  };
+  for (int i = 0; i < 4; ++i)
+    r[i] = trans ? elem(8 * i + 2 * (lane % 4), lane / 4) | elem(8 * i + 2 * (lane % 4) + 1, lane / 4) << 16
+                 : elem(8 * i + lane / 4, 2 * (lane % 4)) | elem(8 * i + lane / 4, 2 * (lane % 4) + 1) << 16;
+  w.bar.arrive_and_wait();
+}
+inline void ldsm_x4(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  uint32_t r[4];
+  ldmatrix_x4(addr, r, false);
+  r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+inline void ldsm_x4_t(unsigned addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  uint32_t r[4];
+  ldmatrix_x4(addr, r, true);
+  r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+}
+
 inline void cp_async16(void* smem, const void* gmem, bool valid) {
   if ((reinterpret_cast<uintptr_t>(smem) & 15) || (reinterpret_cast<uintptr_t>(gmem) & 15)) {
     std::fprintf(stderr, "cp_async16: unaligned %p <- %p\n", smem, gmem);
@@ -254,7 +301,8 @@ void launch(dim3 grid, int threads, size_t smem, F kernel) {
 }
 // The CUDA runtime and cuda_common.cuh's host helpers, as the cut sources call them.
 constexpr int cudaSuccess = 0, cudaFuncAttributeMaxDynamicSharedMemorySize = 0, cudaDevAttrMultiProcessorCount = 1,
-              cudaDevAttrMaxSharedMemoryPerBlockOptin = 2;
+              cudaDevAttrMaxSharedMemoryPerBlockOptin = 2, cudaFuncAttributePreferredSharedMemoryCarveout = 3,
+              cudaSharedmemCarveoutMaxShared = 100;
 template <typename K> int cudaFuncSetAttribute(K, int, int) { return 0; }
 inline int cudaGetDevice(int* d) { return *d = 0; }
 inline int cudaGetLastError() { return 0; }
