@@ -8,7 +8,6 @@ Skipped without a CUDA device or without the native module.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -576,13 +575,6 @@ def test_attention_decode(cpu, act, case):
     run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
 
 
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("case", [c for c in DECODE_CASES if c[4] == 256],
-                         ids=lambda c: f"decode-{c[1]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
-def test_attention_decode_head_dim_256_on_the_decode_kernel(cpu, act, case, monkeypatch):
-    """QWEN_RT_DECODE_ATTN=all: the tensor-core decode kernel at head_dim 256 (not yet the default)."""
-    monkeypatch.setenv("QWEN_RT_DECODE_ATTN", "all")
-    run_attention(cpu, act, *case, seed=len(case[0]) + case[4])
 
 
 # The bf16/fp16 prefill kernel for head_dim 64/128: the mma.sync tile kernel, or on an sm_90 device with an
@@ -612,10 +604,10 @@ FP8_CACHE_CASES = DECODE_CASES[:6] + [DECODE_CASES[7]] + DECODE_CASES[9:11] + PR
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("case", FP8_CACHE_CASES, ids=lambda c: f"{c[0][:3]}-{c[1][:3]}-{c[2]}x{c[3]}-d{c[4]}-p{c[5]}")
-@pytest.mark.parametrize("decode", ["rows", "all"])
+@pytest.mark.parametrize("decode", ["rows", "default"])
 def test_attention_fp8_cache(cpu, act, case, decode, monkeypatch):
-    """An fp8 KV cache (decode: the rows kernel, or with QWEN_RT_DECODE_ATTN=all the decode kernel for 16-bit
-    head_dim 128/256; prefill: the tile kernel converting as it stages): the rows write_kv quantizes equal the CPU's
+    """An fp8 KV cache (decode: the decode kernel for 16-bit head_dim 128/256, else and with QWEN_RT_DECODE_ATTN=rows
+    the rows kernel; prefill: the tile kernel converting as it stages): the rows write_kv quantizes equal the CPU's
     bit for bit (the same values in, the same rule), and the output is the CPU's."""
     monkeypatch.setenv("QWEN_RT_DECODE_ATTN", decode)
     run_attention(cpu, act, *case, seed=7 + case[4], kv_dtype="float8_e4m3")
@@ -1013,7 +1005,7 @@ def test_gated_delta_rule(cpu, act, shape, batch, form, monkeypatch):
     out, out_state = (np.asarray(x) for x in harness(DEVICE, act).gated_delta_rule(*args))
     assert np.all(np.isfinite(ref)) and np.all(np.isfinite(ref_state[slots]))
     for s, slot in enumerate(slots):
-        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s])
+        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s], form)
         rows = slice(q_start[s], q_start[s + 1])
         err = rel(out[rows], ref[rows])
         assert err < out_tol, f"sequence {s} (q_len {q_lens[s]}): output rel err {err:.3g}"
@@ -1022,26 +1014,25 @@ def test_gated_delta_rule(cpu, act, shape, batch, form, monkeypatch):
     assert np.array_equal(out_state[untouched], state[untouched])
 
 
-def takes_chunks(act, dk, dv, q_len):
-    """Whether the CUDA delta rule runs a sequence in chunks of 64 on tensor cores (gdn.cu's plan_delta_rule, with
-    QWEN_RT_DELTA_RULE=chunks: not yet the default)."""
-    return os.environ.get("QWEN_RT_DELTA_RULE") == "chunks" and act != "float32" and dk in (64, 128) and \
-        dv % 32 == 0 and dv <= 128 and q_len >= 64
+def takes_chunks(act, dk, dv, q_len, form):
+    """Whether the CUDA delta rule runs a sequence in chunks of 64 on tensor cores (gdn.cu's plan_delta_rule; form:
+    QWEN_RT_DELTA_RULE, "loop" or the default "chunks")."""
+    return form == "chunks" and act != "float32" and dk in (64, 128) and dv % 32 == 0 and dv <= 128 and q_len >= 64
 
 
-def delta_rule_tolerances(act, dk, dv, q_len):
+def delta_rule_tolerances(act, dk, dv, q_len, form):
     """(output, state) relative tolerances against the CPU's fp32 token loop. The token loop: the output is rounded
     to the activation dtype; the state is fp32 on both sides, from the same (rounded) inputs, and differs only by
     the order of fp32 sums over up to 300 steps. The chunked form multiplies 16-bit operands (the state and the
     deltas rounded to the activation dtype; host emulation against fp64, 150 rows: 3.5e-3 bf16, 5e-4 f16)."""
-    if takes_chunks(act, dk, dv, q_len):
+    if takes_chunks(act, dk, dv, q_len, form):
         return {"bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}[act]
     return {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}[act], 1e-4
 
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
-    """The chunked form (QWEN_RT_DELTA_RULE=chunks) against the token loop on Qwen3.8-27B's head sizes: close, and
+    """The chunked form (the default) against the token loop on Qwen3.8-27B's head sizes: close, and
     with windows of one chunk slot (QWEN_RT_DELTA_RULE_WINDOW=1) the same bits as in one window; a short sequence
     among chunked ones gets the token loop's bits."""
     hk, hv, dk, dv = 2, 6, 128, 128
@@ -1059,15 +1050,15 @@ def test_chunked_delta_rule_against_the_token_loop(cpu, act, monkeypatch):
             monkeypatch.setenv(k, v)
         return tuple(np.asarray(x) for x in g.gated_delta_rule(*args))
 
-    out, st = run(QWEN_RT_DELTA_RULE="chunks")
-    out_w, st_w = run(QWEN_RT_DELTA_RULE="chunks", QWEN_RT_DELTA_RULE_WINDOW="1")
+    out, st = run()
+    out_w, st_w = run(QWEN_RT_DELTA_RULE_WINDOW="1")
     out_l, st_l = run(QWEN_RT_DELTA_RULE="loop")
     assert np.array_equal(out, out_w) and np.array_equal(st, st_w)
     short = slice(q_start[1], q_start[2])
     assert np.array_equal(out[short], out_l[short]) and np.array_equal(st[slots[1]], st_l[slots[1]])
     for s in (0, 2, 3):
         rows = slice(q_start[s], q_start[s + 1])
-        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s])
+        out_tol, state_tol = delta_rule_tolerances(act, dk, dv, q_lens[s], "chunks")
         assert rel(out[rows], out_l[rows]) < out_tol, s
         assert rel(st[slots[s]], st_l[slots[s]]) < state_tol, s
         assert not np.array_equal(out[rows], out_l[rows]), s  # the chunked form ran

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU work that is not yet the default (cpp/README.md's switches: QWEN_RT_DELTA_RULE=chunks,
-# QWEN_RT_DECODE_ATTN=all, QWEN_RT_PREFILL_ATTN=wgmma at head_dim 256, QWEN_RT_MOVE_STREAM=1,
-# QWEN_RT_FP8_GEMV_BLOCKS) in one or two device calls: build, `pytest -m cuda` (the tests run both forms of each
-# switch), then each switch against the default. Carry build/cutlass (CUTLASS's include folder, from pip's
+# The GPU switches (cpp/README.md) against the defaults in one or two device calls: build, `pytest -m cuda` (the
+# tests run both forms of each switch), then the chunked delta rule against the token loop (QWEN_RT_DELTA_RULE=loop),
+# the tile kernel against wgmma at head_dim 256 (QWEN_RT_PREFILL_ATTN=mma), the decode kernel against the rows kernel
+# (QWEN_RT_DECODE_ATTN=rows), the persistent FP8 GEMV (QWEN_RT_FP8_GEMV_BLOCKS=2), 16-bit GEMV rows. Carry build/cutlass (CUTLASS's include folder, from pip's
 # nvidia-cutlass: cutlass_library/source/include) for the W8A8 GEMM.
 # Everything under $OUT is packed into all.tgz (the device tool brings back 8 files at most).
 #   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
-#   tools/gpu_switches.sh prefill_wgmma decode longctx profile   (a second, on the warm machine)
+#   tools/gpu_switches.sh prefill_mma decode longctx profile     (a second, on the warm machine)
 #   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
@@ -37,20 +37,20 @@ tests)
 decode)
   D="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8 --quantization fp8"
   bench decode_fp8 90 $D
-  bench decode_fp8_all 90 env QWEN_RT_DECODE_ATTN=all $D
-  bench decode_fp8_blocks2 90 env QWEN_RT_DECODE_ATTN=all QWEN_RT_FP8_GEMV_BLOCKS=2 $D;;
+  bench decode_fp8_rows 90 env QWEN_RT_DECODE_ATTN=rows $D
+  bench decode_fp8_blocks2 90 env QWEN_RT_FP8_GEMV_BLOCKS=2 $D;;
 longctx)
   L="python3 -m qwen_rt.bench gpu --parts longctx --longctx-lengths 32768 --longctx-budgets= --longctx-kv auto,fp8"
   L="$L --longctx-synthetic-from 32768 --quantization fp8 --new-tokens 16"
   bench longctx 90 $L
-  bench longctx_all 90 env QWEN_RT_DECODE_ATTN=all $L;;
+  bench longctx_rows 90 env QWEN_RT_DECODE_ATTN=rows $L;;
 prefill)
   P="python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b --prefill-lengths 8192"
   bench prefill 75 $P
-  bench prefill_chunks 75 env QWEN_RT_DELTA_RULE=chunks $P;;
-prefill_wgmma)
+  bench prefill_loop 75 env QWEN_RT_DELTA_RULE=loop $P;;
+prefill_mma)
   P="python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b --prefill-lengths 8192"
-  bench prefill_chunks_wgmma 75 env QWEN_RT_DELTA_RULE=chunks QWEN_RT_PREFILL_ATTN=wgmma $P;;
+  bench prefill_mma 75 env QWEN_RT_PREFILL_ATTN=mma $P;;
 concurrency)  # bf16 decode by batch: the 16-bit GEMV up to 8 rows at K > 3072 (QWEN_RT_GEMV_ROWS=8) against cuBLASLt
   C="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8"
   bench decode_bf16 100 $C

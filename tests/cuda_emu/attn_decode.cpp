@@ -80,7 +80,7 @@ int run_case(int D, bool fp8, int q_heads, int kv_heads, int page, std::vector<i
   b.max_ctx_len = *std::max_element(ctx.begin(), ctx.end());
   AttnShape sh;
   sh.q_heads = q_heads, sh.kv_heads = kv_heads, sh.head_dim = D, sh.scale = 1.0f / std::sqrt(float(D));
-  setenv("QWEN_RT_DECODE_ATTN", "all", 1);
+  unsetenv("QWEN_RT_DECODE_ATTN");
   if (!cuda::decode_kernel_takes(b, sh, sizeof(T), fp8)) {
     std::printf("not taken\n");
     return 1;

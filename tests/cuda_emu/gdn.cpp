@@ -65,7 +65,7 @@ int run_case(int hk, int hv, int dk, int dv, std::vector<int> q_lens, std::vecto
     for (auto& v : out) r.out.push_back(to_f(v));
     return r;
   };
-  const Run chunked = run("chunks", nullptr), loop = run(nullptr, nullptr), one = run("chunks", "1");
+  const Run chunked = run(nullptr, nullptr), loop = run("loop", nullptr), one = run(nullptr, "1");
 
   int bad = 0;
   for (int s = 0; s < S; ++s) {

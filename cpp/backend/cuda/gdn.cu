@@ -768,9 +768,8 @@ void launch_causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, 
 
 DeltaRulePlan plan_delta_rule(const Tensor& qkv, const AttnBatch& b, const DeltaNetShape& sh, const Tensor& out) {
   DeltaRulePlan p;
-  // Not yet the default (QWEN_RT_DELTA_RULE=chunks): the chunked form has run on the host emulator only.
   const char* form = std::getenv("QWEN_RT_DELTA_RULE");
-  if (!form || std::strcmp(form, "chunks") != 0) return p;
+  if (form && std::strcmp(form, "loop") == 0) return p;
   const int dk = sh.k_dim, dv = sh.v_dim;
   const bool half = qkv.dtype == DType::BF16 || qkv.dtype == DType::F16;
   if (!half || b.keep || b.max_q_len < kChunk || !(dk == 64 || dk == 128) || dv % 32 != 0 || dv > 128 ||
