@@ -230,8 +230,8 @@ void CudaBackend::copy_segments(const std::vector<CopySegment>& segs) {
 void CudaBackend::move_pages(const std::vector<CopySegment>& out, const std::vector<CopySegment>& in, bool beside) {
   set_device();
   no_capture("move_pages");
-  // Beside the step before (the moves' own stream) only with QWEN_RT_MOVE_STREAM=1: not yet the default, as that
-  // path has not run on a GPU. Read at every call (the tests set it).
+  // Beside the step before (the moves' own stream) only with QWEN_RT_MOVE_STREAM=1: not yet the default (its tests
+  // pass on an H100; no long-context run has measured it). Read at every call (the tests set it).
   const char* own = std::getenv("QWEN_RT_MOVE_STREAM");
   beside = beside && own && std::strcmp(own, "1") == 0;
   if (!step_begin_) {
