@@ -57,7 +57,9 @@ def main():
                 g.generate(prompts, max_tokens=1, **sampling)  # warm-up: workspaces, GEMM heuristics
             for steps, sign in ((a.tokens, 1), (0, -1)) if a.tokens else ((0, 1),):
                 torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                # acc_events: keep every cycle's events (without it torch 2.11 kept only the last part of an 8k
+                # prefill: 34 ms of kernels, session 31).
+                with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
                     g.generate(prompts, max_tokens=steps + 1, **sampling)
                     torch.cuda.synchronize()
                 for e in prof.events():
