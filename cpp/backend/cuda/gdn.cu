@@ -559,9 +559,12 @@ __global__ void __launch_bounds__(kChunkWarps * 32) gdn_chunk_prep_kernel(
     const int i = e / DK, d = e % DK;
     QG[e] = from_f<T>(to_f(q_s[i * LK + d]) * eg_s[i]);
   }
-  for (int e = threadIdx.x; e < DK * kChunk; e += blockDim.x) {
-    const int d = e / kChunk, j = e % kChunk;
-    KD[e] = from_f<T>(to_f(k_s[j * LK + d]) * expf(g_last - g_s[j]));
+  {  // a thread keeps one token j (the block's threads are a multiple of kChunk): its decay to the chunk's end once
+    static_assert(kChunkWarps * 32 % kChunk == 0, "a thread's tokens j of (e^(G_last - G) K)^T are one");
+    const int j = threadIdx.x % kChunk;
+    const float decay = expf(g_last - g_s[j]);
+    for (int d = threadIdx.x / kChunk; d < DK; d += kChunkWarps * 32 / kChunk)
+      KD[d * kChunk + j] = from_f<T>(to_f(k_s[j * LK + d]) * decay);
   }
   if (threadIdx.x == 0) *reinterpret_cast<float*>(rec + R.gl) = eg_s[kChunk - 1];
 }
@@ -596,42 +599,40 @@ __global__ void __launch_bounds__(kChunkWarps * 32) gdn_chunk_state_kernel(
   const bool fresh = c0 == first && ctx_len[seq] - n == 0;
   // The state: [row tile][column tile][element], row 16 (MT warp + mt) + g + 8 (e / 2), column 8 nt + 2 t + e % 2.
   float st[MT][4][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = 16 * (MT * warp + mt) + g + 8 * (e >> 1), y = 8 * nt + 2 * t + (e & 1);
-        st[mt][nt][e] = fresh ? 0.f : S[int64_t(x) * dv + y];
-      }
-  const ChunkRecord R = chunk_record(DK, dv);
-  for (int64_t c = c0; c < c1; ++c) {
-    const unsigned char* rec = scratch + (size_t(c - slot0) * v_heads + h) * R.bytes;
-    const int row0 = q_start[seq] + int(c - first) * kChunk, m = min(kChunk, n - int(c - first) * kChunk);
-    uint32_t af[4], bf[2];
-    // a. S0^T, rounded to T.
+  auto each_state = [&](auto f) {  // f(row, column of the tile, its element)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int x = 16 * (MT * warp + mt) + g + 8 * (e >> 1), y = 8 * nt + 2 * t + (e & 1);
-          s_s[y * LK + x] = from_f<T>(st[mt][nt][e]);
-        }
+        for (int e = 0; e < 4; ++e)
+          f(16 * (MT * warp + mt) + g + 8 * (e >> 1), 8 * nt + 2 * t + (e & 1), st[mt][nt][e]);
+  };
+  uint32_t af[4], bf[2];
+  // acc += A B over k-tiles [0, k_end) for the warp's 16 rows from m0 of A (row-major T, leading dimension lda) and
+  // the tile's 32 columns of B (staged as B^T [32][ldb]).
+  auto product = [&](float(&acc)[4][4], const T* A, int lda, int m0, int k_end, const T* Bt, int ldb) {
+#pragma unroll
+    for (int k0 = 0; k0 < k_end; k0 += 16) {
+      frag_a(A, lda, m0, k0, af);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) frag_b(Bt, ldb, k0, 8 * nt, bf), mma<T>(acc[nt], af, bf);
+    }
+  };
+  each_state([&](int x, int y, float& v) { v = fresh ? 0.f : S[int64_t(x) * dv + y]; });
+  const ChunkRecord R = chunk_record(DK, dv);
+  for (int64_t c = c0; c < c1; ++c) {
+    const unsigned char* rec = scratch + (size_t(c - slot0) * v_heads + h) * R.bytes;
+    const int row0 = q_start[seq] + int(c - first) * kChunk, m = min(kChunk, n - int(c - first) * kChunk);
+    // a. S0^T, rounded to T.
+    each_state([&](int x, int y, float& v) { s_s[y * LK + x] = from_f<T>(v); });
     __syncthreads();
     // b. u = U - W S0 (the warp's rows), to shared memory as u^T.
     {
       const T* W = reinterpret_cast<const T*>(rec + R.w);
       const float* U = reinterpret_cast<const float*>(rec + R.u);
       float acc[4][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < DK; k0 += 16) {
-        frag_a(W, DK, i0, k0, af);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) frag_b(s_s, LK, k0, 8 * nt, bf), mma<T>(acc[nt], af, bf);
-      }
+      product(acc, W, DK, i0, DK, s_s, LK);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -646,17 +647,8 @@ __global__ void __launch_bounds__(kChunkWarps * 32) gdn_chunk_state_kernel(
       const T* QG = reinterpret_cast<const T*>(rec + R.qg);
       const T* P = reinterpret_cast<const T*>(rec + R.p);
       float acc[4][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < DK; k0 += 16) {
-        frag_a(QG, DK, i0, k0, af);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) frag_b(s_s, LK, k0, 8 * nt, bf), mma<T>(acc[nt], af, bf);
-      }
-      for (int k0 = 0; k0 <= i0; k0 += 16) {
-        frag_a(P, kChunk, i0, k0, af);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) frag_b(u_s, LT, k0, 8 * nt, bf), mma<T>(acc[nt], af, bf);
-      }
+      product(acc, QG, DK, i0, DK, s_s, LK);
+      product(acc, P, kChunk, i0, i0 + 16, u_s, LT);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -677,25 +669,12 @@ __global__ void __launch_bounds__(kChunkWarps * 32) gdn_chunk_state_kernel(
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) st[mt][nt][e] *= gl;
-#pragma unroll
-        for (int k0 = 0; k0 < kChunk; k0 += 16) {
-          frag_a(KD, kChunk, 16 * (MT * warp + mt), k0, af);
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) frag_b(u_s, LT, k0, 8 * nt, bf), mma<T>(st[mt][nt], af, bf);
-        }
+        product(st[mt], KD, kChunk, 16 * (MT * warp + mt), kChunk, u_s, LT);
       }
     }
     __syncthreads();  // s_s and u_s are free for the next chunk
   }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = 16 * (MT * warp + mt) + g + 8 * (e >> 1), y = 8 * nt + 2 * t + (e & 1);
-        S[int64_t(x) * dv + y] = st[mt][nt][e];
-      }
+  each_state([&](int x, int y, float& v) { S[int64_t(x) * dv + y] = v; });
 }
 
 }  // namespace
