@@ -4,7 +4,7 @@
 # variants. Tables go to stdout and $OUT/ab.log.
 #   tools/gpu_ab_patch.sh "bench gpu args" PATCH...
 #   env: TESTS='tests/x.py -k "a or b"' (pytest -m cuda args, shell-quoted, run on each patched build; empty:
-#        none), BASE_TESTS (the same on the base build), REPEATS=<rounds> (default 2), QWEN_RT_COMMIT=<base commit>
+#        none; TEST_WORKERS=<n>: in parallel), BASE_TESTS (the same on the base build), REPEATS=<rounds> (default 2), QWEN_RT_COMMIT=<base commit>
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}
 mkdir -p "$OUT"
@@ -28,8 +28,16 @@ run_tests() {  # variant, pytest args
   local name=$1; shift
   [ $# -eq 0 ] && return 0
   local t0=$(date +%s)
-  PYTHONPATH="$pkgs/$name" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q -p no:cacheprovider "$@" \
-    2>&1 | tee "$OUT/pytest_$name.log" | tail -8
+  # With TEST_WORKERS, xdist processes share the GPU and the tests marked `alone` run after them (as gpu_run.sh).
+  if [ -n "${TEST_WORKERS:-}" ]; then
+    { PYTHONPATH="$pkgs/$name" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m "cuda and not alone" \
+        -n "$TEST_WORKERS" -q -p no:cacheprovider "$@"
+      PYTHONPATH="$pkgs/$name" timeout 120 python3 -m pytest -m "cuda and alone" -q -p no:cacheprovider "$@"; } \
+      2>&1 | tee "$OUT/pytest_$name.log" | tail -12
+  else
+    PYTHONPATH="$pkgs/$name" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q -p no:cacheprovider "$@" \
+      2>&1 | tee "$OUT/pytest_$name.log" | tail -8
+  fi
   echo "tests $name: $(( $(date +%s) - t0 )) s"
 }
 
