@@ -8,6 +8,8 @@
 #   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
 #   tools/gpu_switches.sh prefill_mma decode longctx profile     (a second, on the warm machine)
 #   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
+#   tools/gpu_switches.sh old fp8_ab       (git archive <sha> | gzip > .ab/old.tgz, carried: FP8 decode against it)
+#   tools/gpu_switches.sh longctx_big longctx_real prefill64k     (issue 32's long contexts; the 64k prefill)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 QWEN_RT_PROGRESS=0

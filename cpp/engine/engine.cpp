@@ -333,9 +333,6 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   "this model has none (config.json: mtp_num_hidden_layers)");
   }
   if (opt.synthetic_prefill) opt.prefix_caching = false;  // stand-in K/V are no prefix's
-  // Stand-in pages get no frame in a host tier (a page has one once a step writes it): not combined yet.
-  QRT_CHECK_ARG(!(opt.synthetic_prefill && opt.kv_offload_memory > 0),
-                "synthetic_prefill with kv_offload_memory is not supported");
   if (!opt.prefix_caching) opt.state_snapshots = 0;  // snapshots serve prefix hits only
   sparse = sparse_rule(opt);
   const bool default_len = opt.max_model_len <= 0;
@@ -483,7 +480,8 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
     if (opt.synthetic_prefill) rk.kv->fill_random(opt.seed ^ 0x5717e71cull);
     rk.be->synchronize();
   }, kNoLimit);
-  if (host_pages > 0) tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical));
+  if (host_pages > 0)
+    tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical), opt.synthetic_prefill);
   // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
   // request could never run. (One the caller set stays; such a request is refused at submit.)
   if (default_len) opt.max_model_len = int(std::min<int64_t>(opt.max_model_len, logical * opt.page_size + 1));

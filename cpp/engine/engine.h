@@ -51,7 +51,8 @@ struct EngineOptions {
   int speculative_pause_steps = 16;
   // Benchmarks only: prompts' K/V but the last token's are random stand-ins (the KV cache is filled with random
   // values at start) and hybrid models' states start from zeros; a prompt's first step computes its last token
-  // alone. Outputs are those of no real context. Turns prefix caching off.
+  // alone. Outputs are those of no real context. Turns prefix caching off. With a host tier, stand-in pages fill
+  // the device frames, then host frames (kv/tiers.h).
   bool synthetic_prefill = false;
 };
 

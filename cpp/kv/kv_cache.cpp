@@ -1,5 +1,7 @@
 #include "kv/kv_cache.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace qrt {
@@ -69,7 +71,11 @@ void KvCache::fill_random(uint64_t seed) {
       }
     }
   }
-  if (!f_.summaries) return;
+  fill_host_from_device();
+  if (!f_.summaries) {
+    be_.synchronize();
+    return;
+  }
   // Every row in order, a chunk of pages at a time: each page's last row summarizes it.
   const int64_t chunk = std::min<int64_t>(rows_n, int64_t(1) << 16) / f_.page_size * f_.page_size;
   Buffer idx(&be_, size_t(chunk) * 4);
@@ -84,7 +90,24 @@ void KvCache::fill_random(uint64_t seed) {
     b.page_size = f_.page_size;
     for (int l = 0; l < f_.layers; ++l) be_.summarize_pages(layer(l), b, int(f_.kv_cols()));
   }
+  // Host frame h's summary rows: those of device frame h % pages_ (computed above).
+  const size_t summary = 2 * size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
+  for (int l = 0; l < f_.layers; ++l)
+    for (int h = 0; h < host_pages_; h += pages_) {
+      const int n = std::min(pages_, host_pages_ - h);
+      be_.copy(summary_rows(l, pages_ + 1 + h), summary_rows(l, 0), size_t(n) * summary);
+    }
   be_.synchronize();
+}
+
+void KvCache::fill_host_from_device() {
+  const size_t rb = size_t(f_.page_size) * f_.row_bytes(), sb = size_t(f_.page_size) * f_.scale_row_bytes();
+  for (int l = 0; l < f_.layers; ++l)
+    for (int what = 0; what < (f_.fp8() ? 4 : 2); ++what)
+      for (int h = 0; h < host_pages_; h += pages_) {
+        const int n = std::min(pages_, host_pages_ - h);
+        be_.copy(rows(l, what, pages_ + 1 + h), rows(l, what, 0), size_t(n) * (what < 2 ? rb : sb));
+      }
 }
 
 void KvCache::move(const PageMoves& moves) {

@@ -57,13 +57,14 @@ class KvCache {
   // beside the step before where moves.beside says they may). Called before every step (also without moves).
   void move(const PageMoves& moves);
   // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1); FP8: the e4m3
-  // values of that, scale 1), and their summaries to match.
+  // values of that, scale 1), and their summaries to match; host frame h a copy of device frame h % device frames.
   void fill_random(uint64_t seed);
 
  private:
   // Layer l's array `what` (0 K, 1 V, 2 K scales, 3 V scales) from `frame`'s first row, in the frame's tier.
   char* rows(int l, int what, int frame) const;
   char* summary_rows(int l, int frame) const;
+  void fill_host_from_device();  // K, V and scale rows of host frame h: device frame h % pages_'s
 
   Backend& be_;
   KvFormat f_;

@@ -6,8 +6,8 @@
 
 namespace qrt {
 
-TierMap::TierMap(int device_frames, int host_frames, int num_pages)
-    : device_(device_frames), host_(host_frames), pages_(size_t(num_pages)),
+TierMap::TierMap(int device_frames, int host_frames, int num_pages, bool stand_in)
+    : device_(device_frames), host_(host_frames), stand_in_(stand_in), pages_(size_t(num_pages)),
       frame_page_(size_t(device_frames) + 1 + size_t(host_frames), -1) {
   QRT_CHECK(num_pages <= device_frames + host_frames, "more pages than frames");
   for (int f = device_frames - 1; f >= 0; --f) device_free_.push_back(f);
@@ -91,6 +91,18 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
     device_lru_.insert({step_, page});
   }
   host_free_.insert(host_free_.end(), host_vacated.begin(), host_vacated.end());
+  if (stand_in_) {  // the step's pages without a frame take one as it is (written 0: the first to move out)
+    for (int q = 0; q < s.num_seqs(); ++q)
+      for (int c = 0; c < (s.ctx_len[size_t(q)] + ps - 1) / ps; ++c) {
+        const int page = s.page_table[size_t(q) * size_t(s.max_pages) + size_t(c)];
+        Page& p = pages_[size_t(page)];
+        if (p.frame >= 0) continue;
+        p.frame = take_frame(device_free_.empty() ? host_free_ : device_free_);
+        frame_page_[size_t(p.frame)] = page;
+        p.written = 0;
+        if (!on_host_frame(p.frame)) device_lru_.insert({0, page});
+      }
+  }
   std::sort(freed.begin(), freed.end());
   for (const auto* list : {&moves.out, &moves.in})
     for (const auto& [from, to] : *list)

@@ -7,6 +7,9 @@
 // the step does not write move to free host frames (their rows are copied out), then pages written again from the
 // host are copied in. Other pages are read where they are: attention reads host frames directly. The pool holds at
 // most device + host - reserve pages, reserve >= the pages one step writes, so both moves always find a frame.
+// Stand-in pages (benchmarks' synthetic prefill: KvCache::fill_random filled every frame of both tiers): a page that
+// a step reads before any step wrote it takes a free frame as it is, a device frame while one is free, then a host
+// frame; no copy.
 #pragma once
 #include <cstdint>
 #include <set>
@@ -32,7 +35,7 @@ struct PageMoves {
 
 class TierMap {
  public:
-  TierMap(int device_frames, int host_frames, int num_pages);
+  TierMap(int device_frames, int host_frames, int num_pages, bool stand_in = false);
   // Frees the frames of pages whose content is gone (PagePool::take_dropped), gives each page the step writes a
   // device frame, and rewrites the step's kv_rows and page table from pages to frames (page_size rows each).
   PageMoves prepare(StepInput& step, const std::vector<int>& dropped, int page_size);
@@ -50,6 +53,7 @@ class TierMap {
   int take_frame(std::vector<int>& free_list);
 
   int device_, host_;
+  bool stand_in_;
   uint64_t step_ = 0;
   std::vector<Page> pages_;
   std::vector<int> device_free_, host_free_;  // stacks

@@ -275,13 +275,17 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
 
 
 def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng, synthetic_from: int = 0,
-                  kv_dtypes=("auto",)) -> list[dict]:
+                  kv_dtypes=("auto",), kv_memory: int = 0) -> list[dict]:
     """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
     the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
-    each tier. offload: kv_offload_memory (bytes; 0: none). Contexts of synthetic_from tokens or more (0: none) are
-    random stand-in K/V (synthetic_prefill; labelled so): decode only. kv_dtypes: kv_cache_dtype values to run."""
+    each tier. offload: kv_offload_memory (bytes; 0: none; -1: each context's K/V and 5% more). kv_memory:
+    kv_cache_memory, the device pool's bytes (0: what gpu_memory_utilization leaves). Contexts of synthetic_from tokens
+    or more (0: none) are random stand-in K/V (synthetic_prefill; labelled so), the host tier's too: decode only.
+    kv_dtypes: kv_cache_dtype values to run."""
     from qwen_rt import SparseAttention
-    max_pos = _text_config(model)["max_position_embeddings"]
+    cfg = _text_config(model)
+    max_pos = cfg["max_position_embeddings"]
+    c = _cfg_numbers(cfg)
     rows = []
     for n, kv, budget in [(n, kv, b) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)]:
         synthetic = bool(synthetic_from) and n >= synthetic_from
@@ -292,10 +296,14 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
         factor = float(-(-need // max_pos))
         rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": max_pos} \
             if need > max_pos else None
-        # (Stand-in pages have no host frames: synthetic contexts run without the host tier.)
+        host = offload
+        if offload == -1:  # K/V bytes per token: 16-bit, or e4m3 with an fp32 scale per row and kv head
+            per_token = c["kv_bytes_per_token"] // 2 + c["n_attn"] * 2 * c["hkv"] * 4 if kv == "fp8" \
+                else c["kv_bytes_per_token"]
+            host = int(per_token * need * 1.05) + 2**28
         g = _gen(model, max_batch_size=1, max_model_len=need, max_num_batched_tokens=8192, rope_scaling=rope,
                  enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_cache_dtype=kv,
-                 kv_offload_memory=None if synthetic else offload or None, synthetic_prefill=synthetic)
+                 kv_cache_memory=kv_memory or None, kv_offload_memory=host or None, synthetic_prefill=synthetic)
         try:
             p = _prompts(rng, 1, n, g.config["vocab_size"])
             kw = dict(ignore_eos=True, temperature=0)
@@ -313,6 +321,8 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
                          "step_ms": round(step * 1e3, 3),
                          "decode_tok_s": round(1 / step, 1), "kv_device_gib": round(st["kv_bytes"] / 2**30, 2),
                          "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
+                         "pages_read_on_host": round(st["page_reads_host"] / max(
+                             st["page_reads_host"] + st["page_reads_device"], 1), 4),
                          "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
                          if st["sparse_pages_held"] else 1.0})
             log(rows[-1])
@@ -595,7 +605,10 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-model", default="qwen3.8-27b")
     p.add_argument("--longctx-lengths", default="4096,32768,131072")
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
-    p.add_argument("--longctx-offload", type=int, default=0, help="kv_offload_memory in bytes (0: none)")
+    p.add_argument("--longctx-offload", type=int, default=0,
+                   help="kv_offload_memory in bytes (0: none; -1: each context's K/V and 5%% more)")
+    p.add_argument("--longctx-kv-memory", type=int, default=0,
+                   help="kv_cache_memory: the device KV pool in bytes (0: what gpu_memory_utilization leaves)")
     p.add_argument("--longctx-kv", default="auto", help="kv_cache_dtype values to run: auto, fp8 or auto,fp8")
     p.add_argument("--kvfp8-model", default="qwen3.8-27b")
     p.add_argument("--fp8-model", default="qwen3-8b", help="--parts fp8: FP8 weights against bf16 (issue 31's table)")
@@ -665,7 +678,8 @@ def run(args) -> int:
         rec["longctx"] = bench_longctx(args.longctx_model, [int(x) for x in args.longctx_lengths.split(",")],
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
                                        max(args.new_tokens, 8), args.longctx_offload, rng,
-                                       args.longctx_synthetic_from, args.longctx_kv.split(","))
+                                       args.longctx_synthetic_from, args.longctx_kv.split(","),
+                                       args.longctx_kv_memory)
         done("longctx")
     if "fp8" in parts:
         rec["fp8"] = bench_fp8_weights(args.fp8_model, limits, rng)
