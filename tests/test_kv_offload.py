@@ -73,13 +73,45 @@ def test_sparse_attention_over_both_tiers(build, fresh_gen):
     kw = offload_kwargs(folder, device_pages=12, host_pages=150)
     # A page's summary (a min and a max key row per layer, on the device for both tiers) takes a token's K/V bytes.
     kw["kv_cache_memory"] = M.kv_bytes(folder, 1, 1) * (12 * (PS + 1) + 150)
-    gen = fresh_gen(folder, sparse_attention=sa, **kw)
+    gen = fresh_gen(folder, sparse_attention=sa, kv_staging_pages=0, **kw)  # host pages read in place
     want = ref.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
     got = gen.generate(prompts, max_tokens=10, logprobs=1, **GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.logprobs for g in got] == [w.logprobs for w in want]
     st = gen.stats()
     assert st["device_pages"] == 12 and st["sparse_rows"] > 0 and st["kv_bytes_to_host"] > 0
+    assert st["staging_pages"] == st["staging_reads"] == 0 and st["page_reads_host"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])
+def test_staging_keeps_selected_host_pages_on_the_device(build, fresh_gen, name):
+    """Sparse decode over a host tier with a staging area (ops.h KvStaging): the pages a step selects from the host
+    are copied into staging frames and read there by later steps; the output is the run without a host tier's, token
+    for token and logprob for logprob, with enough frames (every chosen page staged: reads repeat, copies do not),
+    with too few (the rest read in place) and with none."""
+    import qwen_rt
+
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=17, lengths=[260, 180], max_new=16)
+    sa = qwen_rt.SparseAttention(budget_tokens=32, sink_tokens=8, window_tokens=8)  # 4 of 8 pages chosen
+    ref = fresh_gen(folder, page_size=PS, max_num_batched_tokens=16, max_batch_size=2, max_model_len=400,
+                    sparse_attention=sa)
+    want = ref.generate(prompts, max_tokens=16, logprobs=2, **GREEDY)
+    kw = offload_kwargs(folder, device_pages=120, host_pages=200, sparse_attention=sa)
+    stats = {}
+    for slots in (24, 3, 0):
+        gen = fresh_gen(folder, kv_staging_pages=slots, **kw)
+        got = gen.generate(prompts, max_tokens=16, logprobs=2, **GREEDY)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert [g.logprobs for g in got] == [w.logprobs for w in want]
+        st = stats[slots] = gen.stats()
+        assert st["staging_pages"] == slots and st["page_reads_host"] > 0
+    full, few, none = stats[24], stats[3], stats[0]
+    # Two requests, 15 selecting steps each, up to 6 host pages (sink and chosen) per list, head and layer.
+    assert full["staging_in_place"] == 0 and full["staging_copies"] > 0
+    assert full["staging_reads"] > 2 * full["staging_copies"]  # chosen again and again: read from the frames
+    assert few["staging_in_place"] > 0 and few["staging_reads"] > 0
+    assert none["staging_reads"] == none["staging_copies"] == none["staging_in_place"] == 0
 
 
 def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, idle):
@@ -121,6 +153,16 @@ def test_offload_arguments(build):
         qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_offload_memory=2**62))
     with pytest.raises(ValueError, match="one step writes"):  # 4 device pages cannot hold a step's 8
         qwen_rt.Generator(str(folder), **offload_kwargs(folder, device_pages=4, host_pages=20))
+    sa = qwen_rt.SparseAttention(budget_tokens=32, sink_tokens=8, window_tokens=8)
+    with pytest.raises(ValueError, match="kv_staging_pages needs sparse attention"):
+        qwen_rt.Generator(str(folder), kv_staging_pages=4, **offload_kwargs(folder, device_pages=40, host_pages=20))
+    with pytest.raises(ValueError, match="kv_staging_pages needs a host tier"):
+        qwen_rt.Generator(str(folder), **M.base_kwargs(folder, kv_staging_pages=4, sparse_attention=sa, page_size=PS))
+    with pytest.raises(ValueError, match="staging frames leave the device KV pool"):
+        qwen_rt.Generator(str(folder), kv_staging_pages=400, sparse_attention=sa,
+                          **offload_kwargs(folder, device_pages=60, host_pages=20))
+    with pytest.raises(ValueError, match="kv_staging_pages must be >= 0"):
+        qwen_rt.Generator(str(folder), kv_staging_pages=-1, **offload_kwargs(folder, device_pages=40, host_pages=20))
 
 
 @pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])

@@ -53,6 +53,27 @@ struct RopeTable {
   int max_positions = 0;
 };
 
+// Sparse decode's staging area (with a host tier; kv/kv_cache.h sizes it): device frames [first, first + slots)
+// hold, per kv head, that head's K and V rows (and fp8 scales) of host pages select_pages chose, so that a page
+// chosen again is read from device memory. Of each frame, head h's columns belong to head h's slot of that number:
+// heads stage independently. After select_pages writes a selecting list, each of its entries in the host tier is
+// served from the slot holding that page for its (layer, head); a page no slot holds takes the slot the clock hand
+// reaches first among those no list read this call (it is copied there), or, none left, is read in place. Every
+// backend makes the same choices in the same order (lists in sequence order, entries in list order). The frames'
+// contents never change while staged: a page's move into a host frame clears that frame's map entries (KvCache::move).
+struct KvStaging {
+  int first = 0, slots = 0;   // 0 slots: off
+  int32_t* map = nullptr;     // [host frames][map_stride], column map_col + h: slot + 1 of (frame, this layer, h), or 0
+  int map_stride = 0, map_col = 0;
+  int32_t* slot_page = nullptr;  // [kv_heads][slots]: host frame (tier index) + 1 a slot holds, or 0
+  uint32_t* used = nullptr;      // [kv_heads][slots]: the call that last read the slot
+  uint32_t* clock = nullptr;     // [kv_heads][2]: the hand (next slot to look at), the calls so far
+  // [kv_heads][3] running counts: list entries read from a slot, pages copied into slots, entries read in place.
+  // Kept in device memory (counts) and written through to host memory (counts_host, Backend::alloc_host_tier).
+  int64_t* counts = nullptr;
+  int64_t* counts_host = nullptr;
+};
+
 // K/V storage of one attention layer: rows are cache slots (page * page_size + offset),
 // columns kv_heads * head_dim, both K and V in the KV dtype.
 // FP8 (dtype F8E4M3): each row's head_dim values x of one kv head are stored as e4m3(x / s), rounded to nearest
@@ -79,6 +100,7 @@ struct KvLayer {
   float* v_scale = nullptr;
   float* host_k_scale = nullptr;
   float* host_v_scale = nullptr;
+  KvStaging staging;
   bool fp8() const { return dtype == DType::F8E4M3; }
 };
 

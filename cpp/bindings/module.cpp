@@ -94,6 +94,7 @@ NB_MODULE(_core, m) {
       .def_rw("sparse_budget_tokens", &EngineOptions::sparse_budget_tokens)
       .def_rw("sparse_sink_tokens", &EngineOptions::sparse_sink_tokens)
       .def_rw("sparse_window_tokens", &EngineOptions::sparse_window_tokens)
+      .def_rw("kv_staging_pages", &EngineOptions::kv_staging_pages)
       .def_rw("speculative_tokens", &EngineOptions::speculative_tokens)
       .def_rw("speculative_max_batch", &EngineOptions::speculative_max_batch)
       .def_rw("speculative_min_acceptance", &EngineOptions::speculative_min_acceptance)
@@ -185,6 +186,10 @@ NB_MODULE(_core, m) {
         d["kv_bytes_to_host"] = s.kv_bytes_to_host;
         d["page_reads_device"] = s.page_reads_device;
         d["page_reads_host"] = s.page_reads_host;
+        d["staging_pages"] = s.staging_pages;
+        d["staging_reads"] = s.staging_reads;
+        d["staging_copies"] = s.staging_copies;
+        d["staging_in_place"] = s.staging_in_place;
         d["kv_bytes_to_device"] = s.kv_bytes_to_device;
         d["spec_drafted"] = s.spec_drafted;
         d["spec_pauses"] = s.spec_pauses;

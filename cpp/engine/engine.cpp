@@ -164,6 +164,7 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<RankWorker>> workers;  // workers[r - 1] drives rank r (rank 0: the caller)
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<TierMap> tiers;  // with a host tier (kv_offload_memory)
+  int staging_pages = 0;           // ops.h KvStaging frames (each rank's KvCache)
   size_t host_page_bytes = 0;      // a page's K/V rows in the host tier (per rank)
   // State models with speculation: the states verification keeps to roll back to (StateCache, after the snapshots).
   int kept_states() const { return opt.speculative_tokens * opt.speculative_max_batch; }
@@ -472,16 +473,35 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   " pages) must hold the pages one step writes (", reserve, ": max_num_batched_tokens / page_size + ",
                   "2 x max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
     logical = pages + host_pages - reserve;
+    // Staging frames and their map, out of the device pool.
+    int64_t slots = opt.kv_staging_pages;
+    if (slots < 0)
+      slots = sparse.budget_pages > 0 ? std::min<int64_t>(2 * sparse.budget_pages, (pages - reserve) / 4) : 0;
+    if (slots > 0) {
+      QRT_CHECK_ARG(sparse.budget_pages > 0, "kv_staging_pages needs sparse attention (it keeps selected host pages)");
+      const int64_t lh = int64_t(kvf.layers) * kvf.kv_heads;
+      const int64_t meta = host_pages * lh * 4 + 2 * lh * slots * 4 + lh * 36 + 512;
+      const int64_t take = slots + (meta + int64_t(bpp) - 1) / int64_t(bpp);
+      QRT_CHECK_ARG(pages - take >= reserve, "kv_staging_pages: ", slots, " staging frames leave the device KV pool ",
+                    std::max<int64_t>(pages - take, 0), " pages, fewer than one step writes (", reserve,
+                    "); raise kv_cache_memory or lower kv_staging_pages");
+      pages -= take;
+      logical -= take;
+    }
+    staging_pages = int(slots);
   }
+  QRT_CHECK_ARG(opt.kv_staging_pages <= 0 || host_pages > 0,
+                "kv_staging_pages needs a host tier (kv_offload_memory): it keeps selected host pages");
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
   QRT_CHECK_ARG(logical < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
-    rk.kv = std::make_unique<KvCache>(*rk.be, kvf, int(pages), int(host_pages));
+    rk.kv = std::make_unique<KvCache>(*rk.be, kvf, int(pages), int(host_pages), staging_pages);
     if (opt.synthetic_prefill) rk.kv->fill_random(opt.seed ^ 0x5717e71cull);
     rk.be->synchronize();
   }, kNoLimit);
   if (host_pages > 0)
-    tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical), opt.synthetic_prefill);
+    tiers = std::make_unique<TierMap>(int(pages), int(host_pages), int(logical), opt.synthetic_prefill,
+                                      staging_pages);
   // A default max_model_len is capped by the pool, which holds every token of a request but its last: a longer
   // request could never run. (One the caller set stays; such a request is refused at submit.)
   if (default_len) opt.max_model_len = int(std::min<int64_t>(opt.max_model_len, logical * opt.page_size + 1));
@@ -505,6 +525,7 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
   host_page_bytes = kvf.host_page_bytes();
   snapshot.kv_host_bytes = host_page_bytes * size_t(host_pages);
   snapshot.device_pages = int(pages);
+  snapshot.staging_pages = staging_pages;
   snapshot.state_bytes = state_bytes;
   update_snapshot();
 }
@@ -569,6 +590,15 @@ void Engine::Impl::update_snapshot() {
   snapshot.cached_tokens = sched->cached_tokens();
   snapshot.max_model_len = opt.max_model_len;
   snapshot.page_size = opt.page_size;
+  if (staging_pages > 0) {
+    std::array<int64_t, 3> c{0, 0, 0};
+    for (const Rank& rk : ranks)
+      if (rk.kv) {
+        const std::array<int64_t, 3> r = rk.kv->staging_counts();
+        for (size_t j = 0; j < 3; ++j) c[j] += r[j];
+      }
+    snapshot.staging_reads = c[0], snapshot.staging_copies = c[1], snapshot.staging_in_place = c[2];
+  }
 }
 
 void Engine::Impl::publish_token(Request& r, const SampleResult& res, int row) {

@@ -40,6 +40,9 @@ struct EngineOptions {
   int sparse_budget_tokens = 0;    // 0: off
   int sparse_sink_tokens = 0;
   int sparse_window_tokens = 0;    // at least one page (the current one)
+  // Sparse decode with a host tier: device frames that keep the selected host pages (ops.h KvStaging), taken from
+  // the device pool. -1: twice the budget's pages with both on (fewer where the pool is small), else none.
+  int kv_staging_pages = -1;
   // Speculative decoding with the checkpoint's MTP head: draft tokens per step (0: off), and the most sequences of a
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
   int speculative_tokens = 0;
@@ -73,6 +76,10 @@ struct EngineStats {
   int64_t kv_bytes_to_host = 0, kv_bytes_to_device = 0;
   // Pages the steps' attention read from device frames and, in place, from host memory (kv/tiers.h PageMoves).
   int64_t page_reads_device = 0, page_reads_host = 0;
+  // Staging of selected host pages (kv_staging_pages, summed over ranks): its frames; list entries read from a
+  // staging frame, host pages copied into one (misses), entries read in place (no frame left).
+  int staging_pages = 0;
+  int64_t staging_reads = 0, staging_copies = 0, staging_in_place = 0;
   // Speculation: draft tokens fed, those the samples confirmed, and confirmed by position in the draft.
   int64_t spec_drafted = 0, spec_accepted = 0;
   int64_t spec_pauses = 0;  // times a request's drafting paused (speculative_min_acceptance)

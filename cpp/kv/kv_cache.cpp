@@ -6,21 +6,54 @@
 
 namespace qrt {
 
-KvCache::KvCache(Backend& be, const KvFormat& f, int pages, int host_pages)
-    : be_(be), f_(f), pages_(pages), host_pages_(host_pages),
-      buf_(&be, f.host_page_bytes() * size_t(pages + 1) + f.summary_page_bytes() * size_t(pages + 1 + host_pages),
-           Buffer::Zeroed{}) {
+namespace {
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+}  // namespace
+
+KvCache::KvCache(Backend& be, const KvFormat& f, int pages, int host_pages, int staging_slots)
+    : be_(be), f_(f), pages_(pages), host_pages_(host_pages), staging_(staging_slots),
+      buf_(&be, staging_offset() + staging_bytes(), Buffer::Zeroed{}) {
+  QRT_CHECK(staging_ == 0 || (f.summaries && host_pages > 0), "KV staging needs summaries and a host tier");
   if (host_pages > 0) host_ = be.alloc_host_tier(f.host_page_bytes() * host_pages);
+  if (staging_ > 0) {
+    try {
+      counts_host_ = static_cast<int64_t*>(be.alloc_host_tier(size_t(f.layers) * f.kv_heads * 3 * 8));
+    } catch (...) {
+      be.release_host_tier(host_);
+      throw;
+    }
+  }
 }
 
 KvCache::~KvCache() {
   if (host_) be_.release_host_tier(host_);
+  if (counts_host_) be_.release_host_tier(counts_host_);
+}
+
+size_t KvCache::staging_offset() const {
+  return align256(f_.host_page_bytes() * size_t(host0()) + f_.summary_page_bytes() * size_t(host0() + host_pages_));
+}
+
+// [counts: L H 3 int64][map: host_pages L H int32][slot_page: L H S][used: L H S][clock: L H 2][zeros: L H]
+size_t KvCache::staging_bytes() const {
+  if (staging_ == 0) return 0;
+  const size_t lh = size_t(f_.layers) * f_.kv_heads;
+  return lh * 3 * 8 + size_t(host_pages_) * lh * 4 + 2 * lh * size_t(staging_) * 4 + lh * 2 * 4 + lh * 4;
+}
+
+std::array<int64_t, 3> KvCache::staging_counts() const {
+  std::array<int64_t, 3> c{0, 0, 0};
+  if (!counts_host_) return c;
+  const volatile int64_t* h = counts_host_;  // written by the device as steps run
+  for (size_t i = 0; i < size_t(f_.layers) * f_.kv_heads; ++i)
+    for (int j = 0; j < 3; ++j) c[size_t(j)] += h[i * 3 + size_t(j)];
+  return c;
 }
 
 char* KvCache::rows(int l, int what, int frame) const {
-  const bool host = frame > pages_;
-  const size_t tier_rows = size_t(host ? host_pages_ : pages_ + 1) * f_.page_size;
-  const size_t row = size_t(host ? frame - pages_ - 1 : frame) * f_.page_size;
+  const bool host = frame >= host0();
+  const size_t tier_rows = size_t(host ? host_pages_ : host0()) * f_.page_size;
+  const size_t row = size_t(host ? frame - host0() : frame) * f_.page_size;
   char* base = host ? static_cast<char*>(host_) : buf_.as<char>();
   const size_t rb = f_.row_bytes(), sb = f_.scale_row_bytes();
   if (what < 2) return base + (size_t(l) * 2 + what) * tier_rows * rb + row * rb;
@@ -28,9 +61,9 @@ char* KvCache::rows(int l, int what, int frame) const {
 }
 
 char* KvCache::summary_rows(int l, int frame) const {
-  const size_t kv = f_.host_page_bytes() * size_t(pages_ + 1);
+  const size_t kv = f_.host_page_bytes() * size_t(host0());
   const size_t row = size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
-  return buf_.as<char>() + kv + (size_t(l) * (pages_ + 1 + host_pages_) + frame) * 2 * row;
+  return buf_.as<char>() + kv + (size_t(l) * (host0() + host_pages_) + frame) * 2 * row;
 }
 
 KvLayer KvCache::layer(int l) const {
@@ -39,7 +72,24 @@ KvLayer KvCache::layer(int l) const {
     k.summary = summary_rows(l, 0);
     k.summary_dtype = f_.summary_dtype;
   }
-  const int host0 = pages_ + 1;
+  const int host0 = this->host0();
+  if (staging_ > 0) {
+    const size_t lh = size_t(f_.layers) * f_.kv_heads, H = size_t(f_.kv_heads), S = size_t(staging_);
+    char* base = buf_.as<char>() + staging_offset();
+    KvStaging& st = k.staging;
+    st.first = pages_ + 1;
+    st.slots = staging_;
+    st.counts = reinterpret_cast<int64_t*>(base) + size_t(l) * H * 3;
+    st.counts_host = counts_host_ + size_t(l) * H * 3;
+    int32_t* map = reinterpret_cast<int32_t*>(base + lh * 3 * 8);
+    st.map = map;
+    st.map_stride = int(lh);
+    st.map_col = l * f_.kv_heads;
+    int32_t* slot_page = map + size_t(host_pages_) * lh;
+    st.slot_page = slot_page + size_t(l) * H * S;
+    st.used = reinterpret_cast<uint32_t*>(slot_page + lh * S) + size_t(l) * H * S;
+    st.clock = reinterpret_cast<uint32_t*>(slot_page + 2 * lh * S) + size_t(l) * H * 2;
+  }
   if (host_pages_ > 0) {
     k.host_k = rows(l, 0, host0);
     k.host_v = rows(l, 1, host0);
@@ -95,7 +145,7 @@ void KvCache::fill_random(uint64_t seed) {
   for (int l = 0; l < f_.layers; ++l)
     for (int h = 0; h < host_pages_; h += pages_) {
       const int n = std::min(pages_, host_pages_ - h);
-      be_.copy(summary_rows(l, pages_ + 1 + h), summary_rows(l, 0), size_t(n) * summary);
+      be_.copy(summary_rows(l, host0() + h), summary_rows(l, 0), size_t(n) * summary);
     }
   be_.synchronize();
 }
@@ -106,7 +156,7 @@ void KvCache::fill_host_from_device() {
     for (int what = 0; what < (f_.fp8() ? 4 : 2); ++what)
       for (int h = 0; h < host_pages_; h += pages_) {
         const int n = std::min(pages_, host_pages_ - h);
-        be_.copy(rows(l, what, pages_ + 1 + h), rows(l, what, 0), size_t(n) * (what < 2 ? rb : sb));
+        be_.copy(rows(l, what, host0() + h), rows(l, what, 0), size_t(n) * (what < 2 ? rb : sb));
       }
 }
 
@@ -124,7 +174,15 @@ void KvCache::move(const PageMoves& moves) {
       }
     return segs;
   };
-  be_.move_pages(segments(moves.out), segments(moves.in), moves.beside);
+  std::vector<CopySegment> out = segments(moves.out);
+  if (staging_ > 0) {  // a host frame's new page is no slot's: its map row to zeros
+    const size_t lh = size_t(f_.layers) * f_.kv_heads;
+    char* base = buf_.as<char>() + staging_offset();
+    char* map = base + lh * 3 * 8;
+    const char* zeros = map + (size_t(host_pages_) * lh + 2 * lh * size_t(staging_) + lh * 2) * 4;
+    for (const auto& [from, to] : moves.out) out.push_back({map + size_t(to - host0()) * lh * 4, zeros, lh * 4});
+  }
+  be_.move_pages(out, segments(moves.in), moves.beside);
 }
 
 }  // namespace qrt

@@ -1,6 +1,7 @@
 // KvCache: one rank's storage for every page of every attention layer, in two tiers (kv/tiers.h: which frame holds
 // which page; kv/pages.h: which pages hold what).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -35,15 +36,17 @@ struct KvFormat {
   size_t page_bytes() const { return host_page_bytes() + summary_page_bytes(); }
 };
 
-// Device tier: for layer l, K rows then V rows, each [(device_pages + 1) * page_size, kv_cols] of dtype; the extra
-// frame is scratch (padded rows of a graph-replayed step write there). FP8: then for layer l the K scales and the V
-// scales, each [(device_pages + 1) * page_size, kv_heads] fp32. With summaries (sparse decode), then for layer l
-// the summaries of every frame of both tiers, [2 * (device_pages + 1 + host_pages), kv_cols] (ops.h
-// KvLayer::summary). Host tier (host_pages > 0, Backend::alloc_host_tier): the same K, V (and scale) arrays of
-// host_pages * page_size rows.
+// Frames (kv/tiers.h): device frames [0, device_pages), the scratch frame device_pages (padded rows of a
+// graph-replayed step write there), staging frames [device_pages + 1, host0()) (ops.h KvStaging), host frames from
+// host0() on. Device memory: for layer l, K rows then V rows, each [host0() * page_size, kv_cols] of dtype; FP8:
+// then for layer l the K scales and the V scales, each [host0() * page_size, kv_heads] fp32. With summaries (sparse
+// decode), then for layer l the summaries of every frame, [2 * (host0() + host_pages), kv_cols] (ops.h
+// KvLayer::summary). With staging, then its map, slots, clocks and counts (ops.h KvStaging). Host tier
+// (host_pages > 0, Backend::alloc_host_tier): the same K, V (and scale) arrays of host_pages * page_size rows.
 class KvCache {
  public:
-  KvCache(Backend& be, const KvFormat& format, int device_pages, int host_pages);
+  // staging_slots: frames of the staging area (0: none; needs summaries and a host tier).
+  KvCache(Backend& be, const KvFormat& format, int device_pages, int host_pages, int staging_slots = 0);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -52,6 +55,7 @@ class KvCache {
   int page_size() const { return f_.page_size; }
   int num_pages() const { return pages_; }  // device frames
   int scratch_row() const { return pages_ * f_.page_size; }
+  int host0() const { return pages_ + 1 + staging_; }  // the first host frame
   bool summaries() const { return f_.summaries; }
   // Copies frames' rows (every layer's K, V, scale and summary rows): moves.out, then moves.in (Backend::move_pages:
   // beside the step before where moves.beside says they may). Called before every step (also without moves).
@@ -59,6 +63,9 @@ class KvCache {
   // Benchmarks (synthetic prefill): every device frame's K and V rows random (uniform in [-1, 1); FP8: the e4m3
   // values of that, scale 1), and their summaries to match; host frame h a copy of device frame h % device frames.
   void fill_random(uint64_t seed);
+  // The staging area's running counts over every layer and kv head (ops.h KvStaging::counts): entries read from
+  // a slot, pages copied into slots, entries read in place. As of the last step the host has waited for.
+  std::array<int64_t, 3> staging_counts() const;
 
  private:
   // Layer l's array `what` (0 K, 1 V, 2 K scales, 3 V scales) from `frame`'s first row, in the frame's tier.
@@ -66,11 +73,15 @@ class KvCache {
   char* summary_rows(int l, int frame) const;
   void fill_host_from_device();  // K, V and scale rows of host frame h: device frame h % pages_'s
 
+  size_t staging_offset() const;  // in buf_
+  size_t staging_bytes() const;
+
   Backend& be_;
   KvFormat f_;
-  int pages_, host_pages_;
+  int pages_, host_pages_, staging_;
   Buffer buf_;
   void* host_ = nullptr;
+  int64_t* counts_host_ = nullptr;  // staging counts, [layers][kv_heads][3]
 };
 
 }  // namespace qrt

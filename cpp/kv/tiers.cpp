@@ -6,12 +6,12 @@
 
 namespace qrt {
 
-TierMap::TierMap(int device_frames, int host_frames, int num_pages, bool stand_in)
-    : device_(device_frames), host_(host_frames), stand_in_(stand_in), pages_(size_t(num_pages)),
-      frame_page_(size_t(device_frames) + 1 + size_t(host_frames), -1) {
+TierMap::TierMap(int device_frames, int host_frames, int num_pages, bool stand_in, int staging_frames)
+    : device_(device_frames), host_(host_frames), host0_(device_frames + 1 + staging_frames), stand_in_(stand_in),
+      pages_(size_t(num_pages)), frame_page_(size_t(host0_) + size_t(host_frames), -1) {
   QRT_CHECK(num_pages <= device_frames + host_frames, "more pages than frames");
   for (int f = device_frames - 1; f >= 0; --f) device_free_.push_back(f);
-  for (int f = device_frames + host_frames; f > device_frames; --f) host_free_.push_back(f);
+  for (int f = host0_ + host_frames - 1; f >= host0_; --f) host_free_.push_back(f);
 }
 
 void TierMap::free_frame(int f) {

@@ -1,7 +1,8 @@
 // TierMap: where each page's K/V live, a frame of the device tier or of the host tier (host bookkeeping, shared by
 // all ranks; KvCache holds the frames). Pages are the scheduler's ids; a page moves between tiers, its id stays.
-// Frames are numbered as the kernels read them (ops.h KvLayer): device frames [0, device), the scratch frame
-// `device`, host frames [device + 1, device + 1 + host).
+// Frames are numbered as the kernels read them (ops.h KvLayer, kv/kv_cache.h): device frames [0, device), the
+// scratch frame `device`, the staging area's frames (ops.h KvStaging; not this map's), host frames from
+// device + 1 + staging on.
 //
 // Before each step, every page the step writes gets a device frame: the least recently written device pages that
 // the step does not write move to free host frames (their rows are copied out), then pages written again from the
@@ -35,7 +36,7 @@ struct PageMoves {
 
 class TierMap {
  public:
-  TierMap(int device_frames, int host_frames, int num_pages, bool stand_in = false);
+  TierMap(int device_frames, int host_frames, int num_pages, bool stand_in = false, int staging_frames = 0);
   // Frees the frames of pages whose content is gone (PagePool::take_dropped), gives each page the step writes a
   // device frame, and rewrites the step's kv_rows and page table from pages to frames (page_size rows each).
   PageMoves prepare(StepInput& step, const std::vector<int>& dropped, int page_size);
@@ -48,11 +49,11 @@ class TierMap {
     int frame = -1;        // -1: no content
     uint64_t written = 0;  // the step that last wrote it
   };
-  bool on_host_frame(int f) const { return f > device_; }
+  bool on_host_frame(int f) const { return f >= host0_; }
   void free_frame(int f);
   int take_frame(std::vector<int>& free_list);
 
-  int device_, host_;
+  int device_, host_, host0_;
   bool stand_in_;
   uint64_t step_ = 0;
   std::vector<Page> pages_;

@@ -335,7 +335,7 @@ class Generator:
                  sparse_attention: SparseAttention | None = None, kv_offload_memory: int | None = None,
                  speculative_tokens: int = 0, speculative_max_batch: int = 8, synthetic_prefill: bool = False,
                  kv_cache_dtype: str = "auto", speculative_min_acceptance: float = 0.3,
-                 speculative_pause_steps: int = 16):
+                 speculative_pause_steps: int = 16, kv_staging_pages: int | None = None):
         self._engine = None
         self._close_lock = threading.Lock()  # one close() frees the engine; a concurrent one waits for it
         dev, index = _parse_device(device)
@@ -350,7 +350,8 @@ class Generator:
                             ("seed", seed, 0), ("num_threads", num_threads, 0), ("max_logprobs", max_logprobs, 0),
                             ("state_snapshots", state_snapshots, 0), ("speculative_tokens", speculative_tokens, 0),
                             ("speculative_max_batch", speculative_max_batch, 1),
-                            ("speculative_pause_steps", speculative_pause_steps, 0)):
+                            ("speculative_pause_steps", speculative_pause_steps, 0),
+                            ("kv_staging_pages", 0 if kv_staging_pages is None else kv_staging_pages, 0)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < lo:
@@ -460,6 +461,7 @@ class Generator:
         opts.speculative_min_acceptance = float(speculative_min_acceptance)
         opts.speculative_pause_steps = speculative_pause_steps
         opts.synthetic_prefill = synthetic_prefill
+        opts.kv_staging_pages = -1 if kv_staging_pages is None else kv_staging_pages
         if sparse_attention is not None:
             opts.sparse_budget_tokens = sparse_attention.budget_tokens
             opts.sparse_sink_tokens = sparse_attention.sink_tokens

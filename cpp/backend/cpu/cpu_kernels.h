@@ -249,6 +249,9 @@ void attention(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const 
 void summarize_pages(const KvLayer& cache, const AttnBatch& b, int64_t kv_cols, ThreadPool& pool);
 void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, const AttnShape& sh,
                   const SparseAttention& sp, float* scores, int32_t* pages, int32_t* keys, ThreadPool& pool);
+// ops.h KvStaging's rule for kv head h, after select_pages wrote the lists.
+void stage_pages(const KvLayer& cache, const AttnBatch& b, const AttnShape& sh, const SparseAttention& sp,
+                 int32_t* pages, const int32_t* keys, int h);
 
 void causal_conv1d(const Tensor& x, const Tensor& w, const AttnBatch& b, const DeltaNetShape& s, StateLayer& st,
                    Tensor& out, ThreadPool& pool);

@@ -1,6 +1,7 @@
 // Sparse decode on the CPU (ops.h SparseAttention): page summaries, page scores and the per-head page lists.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -83,6 +84,81 @@ void select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch& b, con
     for (int c = end; c < n; ++c) dst[m++] = src[c];
     keys[task] = (m - 1) * ps + (ctx - (n - 1) * ps);
   });
+  if (cache.staging.slots > 0)
+    pool.for_static(Hkv, Hkv > 1, [&](int64_t h) { stage_pages(cache, b, sh, sp, pages, keys, int(h)); });
+}
+
+void stage_pages(const KvLayer& c, const AttnBatch& b, const AttnShape& sh, const SparseAttention& sp,
+                 int32_t* pages, const int32_t* keys, int h) {
+  const KvStaging& st = c.staging;
+  const int S = st.slots, H = sh.kv_heads, D = sh.head_dim, ps = b.page_size, host0 = c.host_page0;
+  int32_t* slot_page = st.slot_page + int64_t(h) * S;
+  uint32_t* used = st.used + int64_t(h) * S;
+  uint32_t* clock = st.clock + 2 * h;
+  auto map = [&](int f) -> int32_t& { return st.map[int64_t(f - host0) * st.map_stride + st.map_col + h]; };
+  // Each selecting list of head h: fn(list, entries).
+  auto lists = [&](auto&& fn) {
+    for (int s = 0; s < b.num_seqs; ++s) {
+      if (!sp.selects(b.ctx_len[s], b.q_start[s + 1] - b.q_start[s], ps)) continue;
+      const int64_t list = int64_t(s) * H + h;
+      fn(pages + list * b.max_pages, (keys[list] + ps - 1) / ps);
+    }
+  };
+  const uint32_t call = ++clock[1];
+  lists([&](int32_t* list, int m) {  // slots holding a chosen page are read this call
+    for (int e = 0; e < m; ++e)
+      if (list[e] >= host0 && map(list[e]) > 0) used[map(list[e]) - 1] = call;
+  });
+  // Head h's columns of a page's rows, host frame f to staging frame `to` (K, V and fp8 scales).
+  const size_t eb = dtype_size(c.dtype), kv_cols = size_t(H) * D;
+  auto copy_page = [&](int f, int to) {
+    for (int r = 0; r < ps; ++r) {
+      const size_t src = size_t(f - host0) * ps + r, dst = size_t(to) * ps + r;
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* from = static_cast<const char*>(kv ? c.host_v : c.host_k);
+        char* into = static_cast<char*>(kv ? c.v : c.k);
+        std::memcpy(into + (dst * kv_cols + size_t(h) * D) * eb, from + (src * kv_cols + size_t(h) * D) * eb,
+                    size_t(D) * eb);
+      }
+      if (c.fp8()) {
+        c.k_scale[dst * H + h] = c.host_k_scale[src * H + h];
+        c.v_scale[dst * H + h] = c.host_v_scale[src * H + h];
+      }
+    }
+  };
+  uint32_t hand = clock[0];
+  int64_t copies = 0;
+  lists([&](int32_t* list, int m) {  // pages no slot holds: the next slot the hand reaches that is not read
+    for (int e = 0; e < m; ++e) {
+      const int f = list[e];
+      if (f < host0 || map(f) > 0) continue;
+      int slot = -1;
+      for (int i = 0; i < S && slot < 0; ++i)
+        if (used[(hand + i) % S] != call) slot = int((hand + i) % S);
+      if (slot < 0) return;  // every slot is read this call: the rest are read in place
+      hand = uint32_t(slot + 1) % S;
+      const int old = slot_page[slot] - 1;
+      if (old >= 0 && map(host0 + old) == slot + 1) map(host0 + old) = 0;
+      slot_page[slot] = f - host0 + 1;
+      map(f) = slot + 1;
+      used[slot] = call;
+      copy_page(f, st.first + slot);
+      ++copies;
+    }
+  });
+  clock[0] = hand;
+  int64_t staged = 0, in_place = 0;
+  lists([&](int32_t* list, int m) {
+    for (int e = 0; e < m; ++e) {
+      if (list[e] < host0) continue;
+      const int slot = map(list[e]) - 1;
+      if (slot >= 0) list[e] = st.first + slot, ++staged;
+      else ++in_place;
+    }
+  });
+  int64_t* n = st.counts + 3 * h;
+  n[0] += staged, n[1] += copies, n[2] += in_place;
+  for (int j = 0; j < 3; ++j) st.counts_host[3 * h + j] = n[j];
 }
 
 }  // namespace qrt::cpu
