@@ -118,7 +118,7 @@ struct Sim {
   Flight* completing = nullptr;  // the step complete() works on
   // With a host tier (kv/tiers.h): the device reads and writes frames, and the tags move with the frames' rows.
   std::unique_ptr<TierMap> tiers;
-  int device_frames = 0;
+  int device_frames = 0, host0 = 0;  // host frames from host0 on (staging frames between: ops.h KvStaging)
   int64_t frame_moves = 0, beside_moves = 0;
   const Flight* in_flight = nullptr;  // the step that may still run while the next one is launched
   // Speculation (opt.speculative_tokens): drafts made as the engine's draft() makes them, each token the right one
@@ -307,7 +307,8 @@ struct Sim {
     }
     for (const auto* list : {&m.out, &m.in})
       for (const auto& [from, to] : *list) {
-        if ((list == &m.out) != (from < device_frames && to > device_frames)) FAIL("a move between the wrong tiers");
+        if ((list == &m.out) != (from < device_frames && to >= host0)) FAIL("a move between the wrong tiers");
+        if ((list == &m.in) != (from >= host0 && to < device_frames)) FAIL("a move between the wrong tiers");
         for (int j = 0; j < ps; ++j) kv[size_t(to * ps + j)] = kv[size_t(from * ps + j)];
         frame_moves++;
       }
@@ -462,9 +463,11 @@ void run_seed(uint64_t seed, Totals& t) {
                         2 * sim.opt.max_batch_size;  // Engine::Impl::step_pages
     sim.device_frames = U(reserve, reserve + sim.opt.num_pages);
     const int host = std::max(1, sim.opt.num_pages + reserve - sim.device_frames + U(0, 3));
-    sim.tiers = std::make_unique<TierMap>(sim.device_frames, host, sim.opt.num_pages);
+    const int staging = U(0, 1) * U(1, 5);
+    sim.host0 = sim.device_frames + 1 + staging;
+    sim.tiers = std::make_unique<TierMap>(sim.device_frames, host, sim.opt.num_pages, false, staging);
     sim.sched->pool().track_drops();
-    sim.kv.assign(size_t(sim.device_frames + 1 + host) * sim.opt.page_size, RowTag{});
+    sim.kv.assign(size_t(sim.host0 + host) * sim.opt.page_size, RowTag{});
   }
   const int requests = U(1, 40);
   // Prompts start with a prefix of one of a few shared sequences half of the time (a system prompt, a

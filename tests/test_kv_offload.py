@@ -196,3 +196,46 @@ def test_synthetic_prefill_fills_the_host_tier(build, fresh_gen, name):
     run("full again", device_pages=stats["all"]["device_pages"])
     assert runs["all"].token_ids == runs["full again"].token_ids == runs["full"].token_ids
     assert runs["full again"].logprobs == runs["full"].logprobs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,dtype", [("qwen3_hd64_gqa4", "float32"), ("qwen35_hd256", "float32"),
+                                        ("qwen3_hd128_gqa2", "bfloat16")])
+@pytest.mark.parametrize("move_stream", ["0", "1"])
+def test_cuda_host_tier_equals_the_device_pool(build, fresh_gen, name, dtype, move_stream, monkeypatch):
+    """On the GPU: pages in pinned host memory, read in place by the attention kernels (decode and prefill), give
+    the output of a device pool that holds everything; with sparse attention too, its chosen host pages read in place
+    or from staging frames (the staging kernel); the page moves on the step's stream or (QWEN_RT_MOVE_STREAM=1, not
+    yet the default) on their own beside the step before."""
+    import qwen_rt
+    from qwen_rt import _core
+
+    monkeypatch.setenv("QWEN_RT_MOVE_STREAM", move_stream)
+
+    if _core.cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or the CUDA plugin is missing)")
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=15, lengths=[300, 120], max_new=10)
+    base = dict(device="cuda", dtype=dtype, page_size=16, max_num_batched_tokens=64, max_batch_size=2,
+                max_model_len=400)
+    sa = qwen_rt.SparseAttention(budget_tokens=96, sink_tokens=16, window_tokens=32)
+    for sparse, staging in ((None, 0), (sa, 0), (sa, 12)):
+        ref = fresh_gen(folder, sparse_attention=sparse, **base)
+        eb = 4 if dtype == "float32" else 2  # the KV cache holds the activations' dtype
+        # A page's summary rows (sparse) take a token's K/V bytes, on the device for the host's pages too.
+        # 8 frames: 8 pages of 16 rows, or 8 + ceil(60 / 17) pages of 17 (the host pages' summaries take the rest).
+        # Staging: its 12 frames and a frame's worth of map.
+        frames = 8 + 4 + (staging + 1 if staging else 0)
+        dev_bytes = M.kv_bytes(folder, 1, 1, eb) * (frames * 17 if sparse else 8 * 16)
+        gen = fresh_gen(folder, sparse_attention=sparse, kv_cache_memory=dev_bytes, kv_staging_pages=staging,
+                        kv_offload_memory=M.kv_bytes(folder, 60, 16, eb), **base)
+        # One request at a time: the GPU's GEMMs change with the batch, and the pools' sizes admit differently.
+        want = [ref.generate([p], max_tokens=10, logprobs=1, **GREEDY)[0] for p in prompts]
+        got = [gen.generate([p], max_tokens=10, logprobs=1, **GREEDY)[0] for p in prompts]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for g, w in zip(got, want):
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert max(abs(a[k] - b[k]) for k in a) < (1e-5 if dtype == "float32" else 2e-2)
+        st = gen.stats()
+        assert st["device_pages"] == 8 and st["kv_bytes_to_host"] > 0
+        assert st["staging_pages"] == staging and (st["staging_reads"] > st["staging_copies"] > 0) == bool(staging)

@@ -2,7 +2,8 @@
 <out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue); gdn
 (gdn.cu's gated delta rule, the token loop and the chunked form, with their host side); attn_decode (attention.cu's
 tensor-core decode kernel, the split combine and their host side); attn_tile (attention.cu's prefill tile kernel and
-launch_tile, its <<<>>> launch as an emulated one).
+launch_tile, its <<<>>> launch as an emulated one); staging (sparse.cu's staging kernel beside cpu/sparse.cpp's
+stage_pages).
 Usage: python cut.py <cpp/backend/cuda> <out>."""
 import sys
 from pathlib import Path
@@ -27,7 +28,14 @@ def sources(src: Path) -> dict[str, str]:
     f = (src / "fp8.cu").read_text()
     g = (src / "gdn.cu").read_text()
     a = (src / "attention.cu").read_text()
+    sp = (src / "sparse.cu").read_text()
+    cpu = (src.parent / "cpu" / "sparse.cpp").read_text()
     return {
+        "staging": ("namespace cuda {\nnamespace {\n" +
+                    cut(sp, "// Exclusive prefix count of flag", "// Block (kv head, sequence): the list") +
+                    cut(sp, "// ---- staging (ops.h KvStaging) ----", "}  // namespace\n") +
+                    "}  // namespace\n}  // namespace cuda\nnamespace cpu {\n" +
+                    cut(cpu, "void stage_pages(", "}  // namespace qrt::cpu") + "}  // namespace cpu\n"),
         "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
                      cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
                      cut(f, "template <typename T, typename O, int M, GemvEpilogue EPI>",

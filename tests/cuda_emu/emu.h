@@ -191,6 +191,16 @@ template <typename V> inline V __shfl_up_sync(unsigned, V v, unsigned delta) {  
   const int lane = threadIdx.x & 31;
   return emu::exchange(v, lane >= int(delta) ? lane - int(delta) : lane);
 }
+inline uint32_t __ballot_sync(unsigned, int pred) {
+  emu::Warp& w = emu::my_warp();
+  w.word[threadIdx.x & 31] = pred != 0;
+  w.bar.arrive_and_wait();
+  uint32_t r = 0;
+  for (int l = 0; l < 32; ++l) r |= w.word[l] << l;
+  w.bar.arrive_and_wait();
+  return r;
+}
+inline int __popc(uint32_t v) { return __builtin_popcount(v); }
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -218,6 +218,153 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs
   if (tid == 0) a.keys[list] = (a.rule.budget_pages - 1) * a.page_size + (a.ctx_len[s] - (n - 1) * a.page_size);
 }
 
+// ---- staging (ops.h KvStaging) ----
+constexpr int kStageThreads = 256;
+
+struct StageArgs {
+  KvStaging st;
+  const char* host_k;
+  const char* host_v;
+  char* k;
+  char* v;
+  const float* host_k_scale;
+  const float* host_v_scale;
+  float* k_scale;
+  float* v_scale;
+  int elem_bytes, host0, heads, head_dim, page_size, max_pages, num_seqs;
+  const int32_t* q_start;
+  const int32_t* ctx_len;
+  const int32_t* keys;
+  int32_t* pages;
+  SparseAttention rule;
+};
+
+// Block h: kv head h's staging after select_kernel, cpu/sparse.cpp stage_pages' rule in its order. The lists are
+// walked one after another; within a list, its entries a chunk of the block's threads at a time: the chunk's pages
+// no slot holds take, in entry order, the slots the hand reaches first among those not read this call.
+__global__ void __launch_bounds__(kStageThreads) stage_kernel(const StageArgs a) {
+  grid_release();
+  grid_wait();
+  __shared__ int warp_counts[kStageThreads / 32];
+  __shared__ int victims[kStageThreads];
+  __shared__ int copy_from[kStageThreads];  // host frame of each page the chunk copies
+  __shared__ int sums[2][kStageThreads / 32];
+  const int h = blockIdx.x, tid = threadIdx.x, S = a.st.slots, H = a.heads, ps = a.page_size;
+  int32_t* slot_page = a.st.slot_page + int64_t(h) * S;
+  uint32_t* used = a.st.used + int64_t(h) * S;
+  uint32_t* clock = a.st.clock + 2 * h;
+  auto map = [&](int f) { return a.st.map + int64_t(f - a.host0) * a.st.map_stride + a.st.map_col + h; };
+  auto selects = [&](int s) {
+    const int ctx = a.ctx_len[s], q_len = a.q_start[s + 1] - a.q_start[s];
+    return a.rule.budget_pages > 0 && q_len == 1 && (ctx + ps - 1) / ps > a.rule.budget_pages;
+  };
+  auto list_of = [&](int s) { return a.pages + (int64_t(s) * H + h) * a.max_pages; };
+  auto entries = [&](int s) { return (a.keys[int64_t(s) * H + h] + ps - 1) / ps; };
+  const uint32_t call = clock[1] + 1;
+  for (int s = 0; s < a.num_seqs; ++s) {  // slots holding a chosen page are read this call
+    if (!selects(s)) continue;
+    const int32_t* list = list_of(s);
+    for (int e = tid; e < entries(s); e += blockDim.x) {
+      const int f = list[e];
+      if (f >= a.host0 && *map(f) > 0) used[*map(f) - 1] = call;
+    }
+    __syncthreads();  // (lists may share pages: one list's writes at a time)
+  }
+  uint32_t hand = clock[0];
+  int64_t copies = 0;
+  bool full = false;  // no slot left this call
+  const int units = a.head_dim * a.elem_bytes / 16;  // 16-byte pieces of a head's row
+  const int64_t row_bytes = int64_t(H) * a.head_dim * a.elem_bytes;
+  for (int s = 0; s < a.num_seqs && !full; ++s) {
+    if (!selects(s)) continue;
+    const int32_t* list = list_of(s);
+    const int m = entries(s);
+    for (int e0 = 0; e0 < m && !full; e0 += blockDim.x) {
+      const int e = e0 + tid, f = e < m ? list[e] : -1;
+      const bool miss = f >= a.host0 && *map(f) == 0;
+      int total;
+      const int idx = block_prefix(miss, warp_counts, total);
+      if (total == 0) continue;
+      int found = 0;
+      for (int i0 = 0; i0 < S && found < total; i0 += blockDim.x) {
+        const int i = i0 + tid, slot = int((hand + uint32_t(i)) % uint32_t(S));
+        const bool free = i < S && used[slot] != call;
+        int cnt;
+        const int j = found + block_prefix(free, warp_counts, cnt);
+        if (free && j < total) victims[j] = slot;
+        found += cnt;
+      }
+      const int got = min(found, total);
+      __syncthreads();
+      if (got > 0) hand = uint32_t(victims[got - 1] + 1) % uint32_t(S);
+      const bool takes = miss && idx < got;
+      if (takes) {  // the slot's page, where the map still leads to it, is no longer staged
+        const int slot = victims[idx], old = slot_page[slot] - 1;
+        if (old >= 0 && *map(a.host0 + old) == slot + 1) *map(a.host0 + old) = 0;
+      }
+      __syncthreads();  // (a page the map no longer leads to may be one this chunk stages again)
+      if (takes) {
+        const int slot = victims[idx];
+        slot_page[slot] = f - a.host0 + 1;
+        *map(f) = slot + 1;
+        used[slot] = call;
+        copy_from[idx] = f;
+      }
+      __syncthreads();
+      // Head h's columns of each copied page's rows: K and V in 16-byte pieces, then the fp8 scales.
+      auto rows = [&](int c, int r, int64_t& src, int64_t& dst) {  // copied page c's row r in each tier
+        src = int64_t(copy_from[c] - a.host0) * ps + r;
+        dst = int64_t(a.st.first + victims[c]) * ps + r;
+      };
+      for (int64_t u = tid; u < int64_t(got) * ps * 2 * units; u += blockDim.x) {
+        const int piece = int(u % units), kv = int(u / units % 2), r = int(u / units / 2 % ps);
+        int64_t src, dst;
+        rows(int(u / units / 2 / ps), r, src, dst);
+        const int64_t col = int64_t(h) * a.head_dim * a.elem_bytes + piece * 16;
+        const char* from = (kv ? a.host_v : a.host_k) + src * row_bytes + col;
+        char* into = (kv ? a.v : a.k) + dst * row_bytes + col;
+        *reinterpret_cast<uint4*>(into) = *reinterpret_cast<const uint4*>(from);
+      }
+      if (a.k_scale)
+        for (int u = tid; u < got * ps; u += blockDim.x) {
+          int64_t src, dst;
+          rows(u / ps, u % ps, src, dst);
+          a.k_scale[dst * H + h] = a.host_k_scale[src * H + h];
+          a.v_scale[dst * H + h] = a.host_v_scale[src * H + h];
+        }
+      copies += got;
+      full = got < total;
+      __syncthreads();  // victims and copy_from are free again
+    }
+  }
+  int staged = 0, in_place = 0;  // this call's
+  for (int s = 0; s < a.num_seqs; ++s) {
+    if (!selects(s)) continue;
+    int32_t* list = list_of(s);
+    for (int e = tid; e < entries(s); e += blockDim.x) {
+      const int f = list[e];
+      if (f < a.host0) continue;
+      const int v = *map(f);
+      if (v > 0) list[e] = a.st.first + v - 1, ++staged;
+      else ++in_place;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    staged += __shfl_xor_sync(0xffffffffu, staged, o);
+    in_place += __shfl_xor_sync(0xffffffffu, in_place, o);
+  }
+  if ((tid & 31) == 0) sums[0][tid >> 5] = staged, sums[1][tid >> 5] = in_place;
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kStageThreads / 32; ++w) staged += sums[0][w], in_place += sums[1][w];
+    clock[0] = hand;
+    clock[1] = call;
+    int64_t* n = a.st.counts + 3 * h;
+    n[0] += staged, n[1] += copies, n[2] += in_place;
+    for (int j = 0; j < 3; ++j) a.st.counts_host[3 * h + j] = n[j];
+  }
+}
+
 }  // namespace
 
 void launch_summarize_pages(const KvLayer& cache, const AttnBatch& b, int kv_cols, cudaStream_t st) {
@@ -265,6 +412,16 @@ void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch&
   check_launch("select_pages (scores)");
   launch_chained(select_kernel, dim3(unsigned(sh.kv_heads), unsigned(b.num_seqs)), kSelectThreads, 0, st, a);
   check_launch("select_pages (lists)");
+  if (cache.staging.slots == 0) return;
+  QRT_CHECK(cache.host_k && cache.host_page0 == cache.staging.first + cache.staging.slots,
+            "cuda select_pages: staging without a host tier after it");
+  StageArgs g{cache.staging, static_cast<const char*>(cache.host_k), static_cast<const char*>(cache.host_v),
+              static_cast<char*>(cache.k), static_cast<char*>(cache.v), cache.host_k_scale, cache.host_v_scale,
+              cache.fp8() ? cache.k_scale : nullptr, cache.v_scale, int(dtype_size(cache.dtype)), cache.host_page0,
+              sh.kv_heads, sh.head_dim, b.page_size, b.max_pages, b.num_seqs, b.q_start, b.ctx_len, keys, pages,
+              rule};
+  launch_chained(stage_kernel, unsigned(sh.kv_heads), kStageThreads, 0, st, g);
+  check_launch("select_pages (staging)");
 }
 
 }  // namespace qrt::cuda
