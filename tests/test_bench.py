@@ -205,3 +205,41 @@ def test_time_linear_times_bf16_and_fp8_weights_and_refuses_others():
         h.time_linear(3, 48, 256, "int4", 2)
     with pytest.raises(ValueError, match="positive"):
         h.time_linear(0, 48, 256, "fp8", 2)
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])
+def test_longctx_bench_decodes_stand_in_contexts_through_the_host_tier(build, monkeypatch, name):
+    """bench gpu's longctx part on the CPU (a tiny model in place of the GPU's): stand-in contexts beyond the
+    max_position_embeddings (yarn), a host tier sized to each context behind a fixed device pool, sparse attention
+    with and without staging; every row has its figures and the host tier holds what the device pool does not."""
+    import json
+
+    import numpy as np
+
+    import models as M
+    import qwen_rt
+    from qwen_rt import bench_gpu
+
+    folder = build(name)
+    cfg = json.loads((folder / "config.json").read_text())
+    monkeypatch.setattr(bench_gpu, "_text_config", lambda model: cfg)
+
+    def gen(model, **kw):
+        kw.pop("tensor_parallel_size", None), kw.pop("quantization", None)
+        kw["max_num_batched_tokens"] = 64  # (8,192 on the GPU: a step's pages are held back in the device pool)
+        return qwen_rt.Generator(str(folder), device="cpu", dtype="bfloat16", load_format="dummy", progress=False,
+                                 **kw)
+
+    monkeypatch.setattr(bench_gpu, "_gen", gen)
+    # 120 pages' bytes: the summaries of the host tier's ~150 pages, the staging frames, ~90 device frames; the budget
+    # holds the default sink (64 tokens) and window (512) and 4 chosen pages.
+    device = M.kv_bytes(folder, 1, 16, 2) * 120
+    rows = bench_gpu.bench_longctx("tiny", [2400], [640], 8, -1, np.random.default_rng(0), synthetic_from=2000,
+                                   kv_memory=device, staging=(None, 0))
+    assert [(r["attention"], r["staging_pages"] > 0) for r in rows] == [("full", False), ("sparse 640", True),
+                                                                        ("sparse 640", False)]
+    for r in rows:
+        assert r["prefill_s"] == "synthetic" and r["rope"] == "yarn x5" and r["decode_tok_s"] > 0
+        assert r["pages_read_on_host"] > 0.1
+    assert rows[1]["staged"] == 1.0 and 0 < rows[1]["staging_copied"] < 1 and rows[2]["staged"] == 0
+    assert rows[1]["selected"] < 0.3

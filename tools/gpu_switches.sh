@@ -2,13 +2,14 @@
 # The GPU switches (cpp/README.md) against the defaults in one or two device calls: build, `pytest -m cuda` (the
 # tests run both forms of each switch), then the chunked delta rule against the token loop (QWEN_RT_DELTA_RULE=loop),
 # the tile kernel against wgmma at head_dim 256 (QWEN_RT_PREFILL_ATTN=mma), the decode kernel against the rows kernel
-# (QWEN_RT_DECODE_ATTN=rows), the persistent FP8 GEMV (QWEN_RT_FP8_GEMV_BLOCKS=2), 16-bit GEMV rows. Carry build/cutlass (CUTLASS's include folder, from pip's
-# nvidia-cutlass: cutlass_library/source/include) for the W8A8 GEMM.
+# (QWEN_RT_DECODE_ATTN=rows), the persistent FP8 GEMV (QWEN_RT_FP8_GEMV_BLOCKS=2), 16-bit GEMV rows; issue 32's long
+# contexts. Carry build/cutlass (CUTLASS's include folder, from pip's nvidia-cutlass: cutlass_library/source/include)
+# for the W8A8 GEMM.
 # Everything under $OUT is packed into all.tgz (the device tool brings back 8 files at most).
 #   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
 #   tools/gpu_switches.sh prefill_mma decode longctx profile     (a second, on the warm machine)
 #   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
-#   tools/gpu_switches.sh old fp8_ab       (git archive <sha> | gzip > .ab/old.tgz, carried: FP8 decode against it)
+#   tools/gpu_switches.sh old fp8_ab    (git archive 2afd69a | gzip > .ab/old.tgz, carried: FP8 decode against it)
 #   tools/gpu_switches.sh longctx_big longctx_real prefill64k     (issue 32's long contexts; the 64k prefill)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
@@ -57,6 +58,39 @@ concurrency)  # bf16 decode by batch: the 16-bit GEMV up to 8 rows at K > 3072 (
   C="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8"
   bench decode_bf16 100 $C
   bench decode_bf16_gemv8 100 env QWEN_RT_GEMV_ROWS=8 $C;;
+old)  # the commit packed in .ab/old.tgz (git archive; carry it) built into /tmp/oldpkg: PYTHONPATH=/tmp/oldpkg runs it
+  mkdir -p /tmp/oldsrc && tar xzf .ab/old.tgz -C /tmp/oldsrc
+  (cd /tmp/oldsrc && QWEN_RT_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target /tmp/oldpkg \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a -C build-dir=/tmp/oldbuild . > "$OUT/build_old.log" 2>&1) \
+    || grep -E "error" "$OUT/build_old.log" | head -20
+  echo "old build $(el)";;
+fp8_ab)  # FP8 27B batch-1 decode, this commit against the old one (part old), alternating; per-kernel profiles
+  D="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1 --quantization fp8"
+  for i in 1 2; do bench fp8_new_$i 70 $D; bench fp8_old_$i 70 env PYTHONPATH=/tmp/oldpkg $D; done
+  for v in new old; do
+    [ $v = old ] && pp=/tmp/oldpkg || pp=
+    PYTHONPATH=$pp QWEN_RT_PDL=0 timeout 90 python3 tools/profile_decode.py --model qwen3.8-27b --quantization fp8 \
+      --batch 1 --tokens 16 --out "$OUT/fp8_profile_$v.txt" > "$OUT/fp8_profile_$v.log" 2>&1
+    echo "profile $v rc $? $(el)"; head -12 "$OUT/fp8_profile_$v.txt"
+  done;;
+longctx_big)  # issue 32's table, Qwen3.8-27B FP8 weights, fp8 KV: 4k real, 128k-1M stand-in contexts on the device,
+  # then 128k and 1M in a 6 GiB device pool with the host tier, sparse with staging (the default) and without
+  L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
+  bench longctx_device 250 $L --longctx-lengths 4096,131072,262144,1048576 --longctx-budgets 2048,4096 \
+    --longctx-synthetic-from 131072
+  bench longctx_host 330 $L --longctx-lengths 131072,1048576 --longctx-budgets 2048,4096 --longctx-staging auto,0 \
+    --longctx-synthetic-from 131072 --longctx-offload -1 --longctx-kv-memory $((6 << 30));;
+longctx_real)  # real prefills: 256k on the device; 128k through a 3 GiB device pool and the host tier, the page moves
+  # on the step's stream and on their own (QWEN_RT_MOVE_STREAM=1)
+  L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
+  L="$L --longctx-synthetic-from 0"
+  bench longctx_256k 200 $L --longctx-lengths 262144 --longctx-budgets 2048
+  H="$L --longctx-lengths 131072 --longctx-budgets 2048 --longctx-offload -1 --longctx-kv-memory $((3 << 30))"
+  bench longctx_host_128k 150 $H
+  bench longctx_host_128k_ms 150 env QWEN_RT_MOVE_STREAM=1 $H;;
+prefill64k)
+  bench prefill_64k 150 python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b \
+    --prefill-lengths 65536;;
 profile)
   timeout 100 python3 -m qwen_rt.bench gpu --parts gemm --gemm-rows 1024,8192 --json "$OUT/gemm.jsonl" 2>&1 \
     | grep -v "^{" > "$OUT/gemm.log"; tail -14 "$OUT/gemm.log"; echo "gemm $(el)"

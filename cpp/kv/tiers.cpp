@@ -91,9 +91,10 @@ PageMoves TierMap::prepare(StepInput& s, const std::vector<int>& dropped, int ps
     device_lru_.insert({step_, page});
   }
   host_free_.insert(host_free_.end(), host_vacated.begin(), host_vacated.end());
-  if (stand_in_) {  // the step's pages without a frame take one as it is (written 0: the first to move out)
+  if (stand_in_) {  // the step's pages without a frame take one as it is (written 0: the first to move out), the
+    // latest first (as a prefill leaves the context's end on the device)
     for (int q = 0; q < s.num_seqs(); ++q)
-      for (int c = 0; c < (s.ctx_len[size_t(q)] + ps - 1) / ps; ++c) {
+      for (int c = (s.ctx_len[size_t(q)] + ps - 1) / ps - 1; c >= 0; --c) {
         const int page = s.page_table[size_t(q) * size_t(s.max_pages) + size_t(c)];
         Page& p = pages_[size_t(page)];
         if (p.frame >= 0) continue;

@@ -10,7 +10,7 @@
 // most device + host - reserve pages, reserve >= the pages one step writes, so both moves always find a frame.
 // Stand-in pages (benchmarks' synthetic prefill: KvCache::fill_random filled every frame of both tiers): a page that
 // a step reads before any step wrote it takes a free frame as it is, a device frame while one is free, then a host
-// frame; no copy.
+// frame, from the sequence's last page back; no copy.
 #pragma once
 #include <cstdint>
 #include <set>

@@ -275,19 +275,22 @@ def bench_prefill(model: str, lengths, limits: dict, rng) -> list[dict]:
 
 
 def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, rng, synthetic_from: int = 0,
-                  kv_dtypes=("auto",), kv_memory: int = 0) -> list[dict]:
+                  kv_dtypes=("auto",), kv_memory: int = 0, staging=(None,)) -> list[dict]:
     """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
     the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
     each tier. offload: kv_offload_memory (bytes; 0: none; -1: each context's K/V and 5% more). kv_memory:
     kv_cache_memory, the device pool's bytes (0: what gpu_memory_utilization leaves). Contexts of synthetic_from tokens
     or more (0: none) are random stand-in K/V (synthetic_prefill; labelled so), the host tier's too: decode only.
-    kv_dtypes: kv_cache_dtype values to run."""
+    kv_dtypes: kv_cache_dtype values to run; staging: kv_staging_pages values to run with sparse attention over a
+    host tier (None: the default)."""
     from qwen_rt import SparseAttention
     cfg = _text_config(model)
     max_pos = cfg["max_position_embeddings"]
     c = _cfg_numbers(cfg)
     rows = []
-    for n, kv, budget in [(n, kv, b) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)]:
+    runs = [(n, kv, b, st) for n in lengths for kv in kv_dtypes for b in [0] + list(budgets)
+            for st in (staging if b and offload else (None,))]
+    for n, kv, budget, slots in runs:
         synthetic = bool(synthetic_from) and n >= synthetic_from
         sparse = SparseAttention(budget_tokens=budget) if budget else None
         # Beyond max_position_embeddings: yarn, as Qwen's model cards have users set it (factor 4 over 262144 for
@@ -300,10 +303,11 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
         if offload == -1:  # K/V bytes per token: 16-bit, or e4m3 with an fp32 scale per row and kv head
             per_token = c["kv_bytes_per_token"] // 2 + c["n_attn"] * 2 * c["hkv"] * 4 if kv == "fp8" \
                 else c["kv_bytes_per_token"]
-            host = int(per_token * need * 1.05) + 2**28
+            host = int(per_token * (need * 1.05 + 1024))
         g = _gen(model, max_batch_size=1, max_model_len=need, max_num_batched_tokens=8192, rope_scaling=rope,
                  enable_prefix_caching=not synthetic, sparse_attention=sparse, kv_cache_dtype=kv,
-                 kv_cache_memory=kv_memory or None, kv_offload_memory=host or None, synthetic_prefill=synthetic)
+                 kv_cache_memory=kv_memory or None, kv_offload_memory=host or None, synthetic_prefill=synthetic,
+                 kv_staging_pages=slots)
         try:
             p = _prompts(rng, 1, n, g.config["vocab_size"])
             kw = dict(ignore_eos=True, temperature=0)
@@ -323,6 +327,10 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
                          "kv_host_gib": round(st["kv_host_bytes"] / 2**30, 2),
                          "pages_read_on_host": round(st["page_reads_host"] / max(
                              st["page_reads_host"] + st["page_reads_device"], 1), 4),
+                         "staging_pages": st["staging_pages"],
+                         # of the chosen host pages' reads: from staging frames, and of those, copied in first
+                         "staged": round(st["staging_reads"] / max(st["staging_reads"] + st["staging_in_place"], 1), 4),
+                         "staging_copied": round(st["staging_copies"] / max(st["staging_reads"], 1), 4),
                          "selected": round(st["sparse_pages_attended"] / st["sparse_pages_held"], 4)
                          if st["sparse_pages_held"] else 1.0})
             log(rows[-1])
@@ -607,6 +615,8 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
     p.add_argument("--longctx-offload", type=int, default=0,
                    help="kv_offload_memory in bytes (0: none; -1: each context's K/V and 5%% more)")
+    p.add_argument("--longctx-staging", default="auto",
+                   help="kv_staging_pages values to run with sparse attention over a host tier (auto: the default)")
     p.add_argument("--longctx-kv-memory", type=int, default=0,
                    help="kv_cache_memory: the device KV pool in bytes (0: what gpu_memory_utilization leaves)")
     p.add_argument("--longctx-kv", default="auto", help="kv_cache_dtype values to run: auto, fp8 or auto,fp8")
@@ -679,7 +689,8 @@ def run(args) -> int:
                                        [int(x) for x in args.longctx_budgets.split(",") if x],
                                        max(args.new_tokens, 8), args.longctx_offload, rng,
                                        args.longctx_synthetic_from, args.longctx_kv.split(","),
-                                       args.longctx_kv_memory)
+                                       args.longctx_kv_memory,
+                                       [None if x == "auto" else int(x) for x in args.longctx_staging.split(",")])
         done("longctx")
     if "fp8" in parts:
         rec["fp8"] = bench_fp8_weights(args.fp8_model, limits, rng)
