@@ -74,11 +74,11 @@ fp8_ab)  # FP8 27B batch-1 decode, this commit against the old one (part old), a
     echo "profile $v rc $? $(el)"; head -12 "$OUT/fp8_profile_$v.txt"
   done;;
 longctx_big)  # issue 32's table, Qwen3.8-27B FP8 weights, fp8 KV: 4k real, 128k-1M stand-in contexts on the device,
-  # then 128k and 1M in a 6 GiB device pool with the host tier, sparse with staging (the default) and without
+  # then 128k and 1M in a 6 GiB device pool with the host tier, sparse with 512 staging frames and without
   L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
   bench longctx_device 250 $L --longctx-lengths 4096,131072,262144,1048576 --longctx-budgets 2048,4096 \
     --longctx-synthetic-from 131072
-  bench longctx_host 330 $L --longctx-lengths 131072,1048576 --longctx-budgets 2048,4096 --longctx-staging auto,0 \
+  bench longctx_host 330 $L --longctx-lengths 131072,1048576 --longctx-budgets 2048,4096 --longctx-staging 512,0 \
     --longctx-synthetic-from 131072 --longctx-offload -1 --longctx-kv-memory $((6 << 30));;
 longctx_real)  # real prefills: 256k on the device; 128k through a 3 GiB device pool and the host tier, the page moves
   # on the step's stream and on their own (QWEN_RT_MOVE_STREAM=1)

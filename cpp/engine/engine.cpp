@@ -474,9 +474,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   "2 x max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
     logical = pages + host_pages - reserve;
     // Staging frames and their map, out of the device pool.
+    // The default: on the CPU only until the staging kernel has run on a GPU (set kv_staging_pages to use it there).
     int64_t slots = opt.kv_staging_pages;
     if (slots < 0)
-      slots = sparse.budget_pages > 0 ? std::min<int64_t>(2 * sparse.budget_pages, (pages - reserve) / 4) : 0;
+      slots = sparse.budget_pages > 0 && !cuda ? std::min<int64_t>(2 * sparse.budget_pages, (pages - reserve) / 4) : 0;
     if (slots > 0) {
       QRT_CHECK_ARG(sparse.budget_pages > 0, "kv_staging_pages needs sparse attention (it keeps selected host pages)");
       const int64_t lh = int64_t(kvf.layers) * kvf.kv_heads;

@@ -48,11 +48,20 @@ Cache make_cache(int D, int H, int ps, int device, int slots, int host, int eb, 
   Cache c{D, H, ps, device, slots, host, eb};
   const size_t dev_rows = size_t(c.host0()) * ps, host_rows = size_t(host) * ps, row = size_t(H) * D * eb;
   std::uniform_int_distribution<int> byte(0, 255);
-  auto fill = [&](std::vector<unsigned char>& x, size_t n) { x.resize(n); for (auto& b : x) b = (unsigned char)byte(rng); };
+  auto fill = [&](std::vector<unsigned char>& x, size_t n) {
+    x.resize(n);
+    for (auto& b : x) b = (unsigned char)byte(rng);
+  };
   fill(c.k, dev_rows * row), fill(c.v, dev_rows * row), fill(c.hk, host_rows * row), fill(c.hv, host_rows * row);
   std::uniform_real_distribution<float> u(0.1f, 2.f);
-  auto fills = [&](std::vector<float>& x, size_t n) { x.resize(n); for (auto& f : x) f = u(rng); };
-  if (eb == 1) fills(c.ks, dev_rows * H), fills(c.vs, dev_rows * H), fills(c.hks, host_rows * H), fills(c.hvs, host_rows * H);
+  auto fills = [&](std::vector<float>& x, size_t n) {
+    x.resize(n);
+    for (auto& f : x) f = u(rng);
+  };
+  if (eb == 1) {
+    fills(c.ks, dev_rows * H), fills(c.vs, dev_rows * H);
+    fills(c.hks, host_rows * H), fills(c.hvs, host_rows * H);
+  }
   c.map.assign(size_t(host) * c.layers * H, 0);
   c.slot_page.assign(size_t(H) * slots, 0);
   c.used.assign(size_t(H) * slots, 0);
@@ -134,7 +143,8 @@ int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng) {
     }
   }
   int64_t reads = 0, copies = 0, in_place = 0;
-  for (int h = 0; h < H; ++h) reads += gpu.counts[3 * h], copies += gpu.counts[3 * h + 1], in_place += gpu.counts[3 * h + 2];
+  for (int h = 0; h < H; ++h)
+    reads += gpu.counts[3 * h], copies += gpu.counts[3 * h + 1], in_place += gpu.counts[3 * h + 2];
   std::printf("D %3d H %d slots %3d eb %d seqs %d: staged reads %4lld, copies %4lld, in place %4lld\n", D, H, slots,
               eb, seqs, (long long)reads, (long long)copies, (long long)in_place);
   // Enough slots for every chosen host page: none read in place; one slot: most are.
