@@ -1181,6 +1181,29 @@ def test_fp8_gemv_persistent_grid_gives_the_same_bits(cpu, act, m, n, k, shift, 
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("n,k", [(5000, 640), (300, 336), (1001, 4096)])
+def test_fp8_gemv_one_piece_in_flight_gives_the_same_bits(cpu, act, n, k, monkeypatch):
+    """The CUDA-core FP8 GEMV at 1 row with one piece in flight per lane (QWEN_RT_FP8_GEMV_INFLIGHT=1) gives the
+    bits of four: plain, with bias, accumulated and gated."""
+    monkeypatch.setenv("QWEN_RT_GEMV_ROWS", "32")
+    rng = np.random.default_rng(n + k)
+    q, s = fp8_weights(cpu, rng, n, k, 7)
+    x = rand(rng, (1, k), -1, 1, act)
+    b = rand(rng, (1, n), -1, 1, act)
+    res = rand(rng, (1, n), -1, 1, act)
+    h = harness(DEVICE, act)
+    runs = {}
+    for inflight in ("4", "1"):
+        monkeypatch.setenv("QWEN_RT_FP8_GEMV_INFLIGHT", inflight)
+        runs[inflight] = [np.asarray(h.fp8_linear("linear", x, q, s, 7, bias=b)),
+                          np.asarray(h.fp8_linear("linear_add", x, q, s, 7, res=res)),
+                          np.asarray(h.fp8_linear("linear_silu_mul", x, q[: n // 2 * 2], s, 7))]
+    assert rel(runs["1"][0], np.asarray(cpu.fp8_linear("linear", x, q, s, 7, bias=b))) < TOL[act]
+    for got, want in zip(runs["1"], runs["4"]):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 def test_fp8_gemv_converts_every_e4m3_code(cpu, act, monkeypatch):
     """The tensor-core GEMV converts every finite e4m3 code exactly (zero, subnormal, normal, both signs): x rows

@@ -2,9 +2,9 @@
 # The GPU switches (cpp/README.md) against the defaults in one or two device calls: build, `pytest -m cuda` (the
 # tests run both forms of each switch), then the chunked delta rule against the token loop (QWEN_RT_DELTA_RULE=loop),
 # the tile kernel against wgmma at head_dim 256 (QWEN_RT_PREFILL_ATTN=mma), the decode kernel against the rows kernel
-# (QWEN_RT_DECODE_ATTN=rows), the persistent FP8 GEMV (QWEN_RT_FP8_GEMV_BLOCKS=2), 16-bit GEMV rows; issue 32's long
-# contexts. Carry build/cutlass (CUTLASS's include folder, from pip's nvidia-cutlass: cutlass_library/source/include)
-# for the W8A8 GEMM.
+# (QWEN_RT_DECODE_ATTN=rows), one piece in flight in the 1-row FP8 GEMV (QWEN_RT_FP8_GEMV_INFLIGHT=1), 16-bit GEMV
+# rows; issue 32's long contexts. Carry build/cutlass (CUTLASS's include folder, from pip's nvidia-cutlass:
+# cutlass_library/source/include) for the W8A8 GEMM.
 # Everything under $OUT is packed into all.tgz (the device tool brings back 8 files at most).
 #   tools/gpu_switches.sh build tests prefill          (one call, ~9 min)
 #   tools/gpu_switches.sh prefill_mma decode longctx profile     (a second, on the warm machine)
@@ -41,7 +41,7 @@ decode)
   D="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8 --quantization fp8"
   bench decode_fp8 90 $D
   bench decode_fp8_rows 90 env QWEN_RT_DECODE_ATTN=rows $D
-  bench decode_fp8_blocks2 90 env QWEN_RT_FP8_GEMV_BLOCKS=2 $D;;
+  bench decode_fp8_inflight1 90 env QWEN_RT_FP8_GEMV_INFLIGHT=1 $D;;
 longctx)
   L="python3 -m qwen_rt.bench gpu --parts longctx --longctx-lengths 32768 --longctx-budgets= --longctx-kv auto,fp8"
   L="$L --longctx-synthetic-from 32768 --quantization fp8 --new-tokens 16"
@@ -66,7 +66,10 @@ old)  # the commit packed in .ab/old.tgz (git archive; carry it) built into /tmp
   echo "old build $(el)";;
 fp8_ab)  # FP8 27B batch-1 decode, this commit against the old one (part old), alternating; per-kernel profiles
   D="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1 --quantization fp8"
-  for i in 1 2; do bench fp8_new_$i 70 $D; bench fp8_old_$i 70 env PYTHONPATH=/tmp/oldpkg $D; done
+  for i in 1 2; do
+    bench fp8_new_$i 70 $D; bench fp8_old_$i 70 env PYTHONPATH=/tmp/oldpkg $D
+    bench fp8_inflight1_$i 70 env QWEN_RT_FP8_GEMV_INFLIGHT=1 $D
+  done
   for v in new old; do
     [ $v = old ] && pp=/tmp/oldpkg || pp=
     PYTHONPATH=$pp QWEN_RT_PDL=0 timeout 90 python3 tools/profile_decode.py --model qwen3.8-27b --quantization fp8 \

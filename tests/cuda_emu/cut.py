@@ -38,7 +38,7 @@ def sources(src: Path) -> dict[str, str]:
                     cut(cpu, "void stage_pages(", "}  // namespace qrt::cpu") + "}  // namespace cpu\n"),
         "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
                      cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
-                     cut(f, "template <typename T, typename O, int M, GemvEpilogue EPI>",
+                     cut(f, "// U: pieces in flight per lane and weight row",
                          "// Rows [n0, n0 + dst.rows) of w dequantized") +
                      cut(f, "bool gemv_fp8_mma(const Tensor& x", "void launch_dequantize_fp8(")),
         "gdn": (cut(c, "struct DeltaRulePlan {", "DeltaRulePlan plan_delta_rule(") + "namespace {\n" +

@@ -1,7 +1,8 @@
 // fp8.cu's GEMVs (the CUDA-core form at 1 row, the tensor-core form at 2-32; cut out by cut.py) on the host
 // emulator, against fp64 on the same e4m3 weights and block scales: Store (+ bias), Add and the gated SiluMul,
 // odd N, scale row blocks of 2^shift rows; with QWEN_RT_FP8_GEMV_BLOCKS=1 (a persistent grid where the build has
-// one: here 2 SMs) the same bits as with one block per tile.
+// one: here 2 SMs) the same bits as with one block per tile, and with QWEN_RT_FP8_GEMV_INFLIGHT=1 (one piece in
+// flight per lane at 1 row) the same bits as with four.
 #include <random>
 
 #include "emu.h"
@@ -45,14 +46,15 @@ int run_case(int M, int64_t N, int64_t K, int shift, cuda::GemvEpilogue epi, boo
   lw.scale = Tensor(sc.data(), DType::F32, srows, scols);
   lw.scale_row_shift = shift;
   Tensor xt(x.data(), act, M, K), bt(bs.data(), act, 1, N);
-  auto run = [&](const char* blocks) {
+  auto run = [&](const char* blocks, const char* inflight = "4") {
     setenv("QWEN_RT_FP8_GEMV_BLOCKS", blocks, 1);
+    setenv("QWEN_RT_FP8_GEMV_INFLIGHT", inflight, 1);
     std::vector<T> out = init;
     Tensor ot(out.data(), act, M, N);
     if (!cuda::launch_gemv_fp8(xt, lw, bias ? &bt : nullptr, ot, epi, 32, nullptr)) out.clear();
     return out;
   };
-  const std::vector<T> one = run("0"), pers = run("1");
+  const std::vector<T> one = run("0"), pers = run("1"), inflight1 = run("0", "1");
   if (one.empty()) {
     std::printf("not taken\n");
     return 1;
@@ -75,11 +77,12 @@ int run_case(int M, int64_t N, int64_t K, int shift, cuda::GemvEpilogue epi, boo
       num += (got - want) * (got - want), den += want * want;
     }
   const double err = std::sqrt(num / den);
-  const bool same = std::memcmp(one.data(), pers.data(), one.size() * sizeof(T)) == 0;
+  const bool same = std::memcmp(one.data(), pers.data(), one.size() * sizeof(T)) == 0 &&
+                    std::memcmp(one.data(), inflight1.data(), one.size() * sizeof(T)) == 0;
   const bool ok = err < 1e-2 && same;
   std::printf("%s M %2d N %4lld K %4lld shift %d epi %d bias %d: rel %.2e persistent %s %s\n",
               std::is_same_v<T, __half> ? "f16 " : "bf16", M, (long long)N, (long long)K, shift, int(epi), int(bias),
-              err, same ? "same" : "DIFFERENT", ok ? "ok" : "FAIL");
+              err, same ? "same" : "DIFFERENT", ok ? "ok" : "FAIL");  // (persistent: both switches)
   return ok ? 0 : 1;
 }
 
