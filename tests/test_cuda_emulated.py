@@ -3,9 +3,9 @@
 shuffles are warp-wide exchanges in PTX's fragment layouts), each against an fp64 reference: the FP8 GEMVs
 (CUDA cores at 1 row, tensor cores at 2-32, every epilogue), the gated delta rule (the token loop and the
 chunked form), the tensor-core decode attention (head_dim 64-256, 16-bit and e4m3 caches, the host tier, splits),
-the prefill tile kernel (mma.sync and ldmatrix; the same), and the staging kernel of sparse decode over a host tier
-(against the CPU backend's stage_pages: the same lists, slots and bytes). This checks their logic and indexing on
-every CPU run; speed and the hardware's own behaviour (and the wgmma kernel) need the GPU tests.
+the prefill tile kernel (mma.sync and ldmatrix; the same), and sparse decode's page lists (against a sort) and
+staging kernel (against the CPU backend's stage_pages: the same lists, slots and bytes). This checks their logic
+and indexing on every CPU run; speed and the hardware's own behaviour (and the wgmma kernel) need the GPU tests.
 QRT_EMU_SANITIZE=address or thread builds with that sanitizer (thread: a missing __syncthreads is a data race)."""
 import os
 import shutil
@@ -28,7 +28,7 @@ def cut_dir(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("harness", ["fp8_gemv", "gdn", "attn_decode", "attn_tile", "staging"])
+@pytest.mark.parametrize("harness", ["fp8_gemv", "gdn", "attn_decode", "attn_tile", "sparse"])
 def test_kernel_on_the_host_emulator(cut_dir, harness):
     sanitize = os.environ.get("QRT_EMU_SANITIZE")
     flags = ["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]

@@ -2,8 +2,8 @@
 <out>/<harness>.inc: fp8_gemv (fp8.cu's GEMVs and their host side, with cuda_common.cuh's GemvEpilogue); gdn
 (gdn.cu's gated delta rule, the token loop and the chunked form, with their host side); attn_decode (attention.cu's
 tensor-core decode kernel, the split combine and their host side); attn_tile (attention.cu's prefill tile kernel and
-launch_tile, its <<<>>> launch as an emulated one); staging (sparse.cu's staging kernel beside cpu/sparse.cpp's
-stage_pages).
+launch_tile, its <<<>>> launch as an emulated one); sparse (sparse.cu's page lists and staging kernels, beside
+cpu/sparse.cpp's stage_pages).
 Usage: python cut.py <cpp/backend/cuda> <out>."""
 import sys
 from pathlib import Path
@@ -31,11 +31,12 @@ def sources(src: Path) -> dict[str, str]:
     sp = (src / "sparse.cu").read_text()
     cpu = (src.parent / "cpu" / "sparse.cpp").read_text()
     return {
-        "staging": ("namespace cuda {\nnamespace {\n" +
-                    cut(sp, "// Exclusive prefix count of flag", "// Block (kv head, sequence): the list") +
-                    cut(sp, "// ---- staging (ops.h KvStaging) ----", "}  // namespace\n") +
-                    "}  // namespace\n}  // namespace cuda\nnamespace cpu {\n" +
-                    cut(cpu, "void stage_pages(", "}  // namespace qrt::cpu") + "}  // namespace cpu\n"),
+        "sparse": ("namespace cuda {\nnamespace {\n" +
+                   cut(sp, "constexpr int kSummaryThreads", "// x rounded toward -inf") +
+                   cut(sp, "struct SelectArgs {", "// Grid (page blocks, kv heads, sequences)") +
+                   cut(sp, "// A score as an unsigned key", "}  // namespace\n") +
+                   "}  // namespace\n}  // namespace cuda\nnamespace cpu {\n" +
+                   cut(cpu, "void stage_pages(", "}  // namespace qrt::cpu") + "}  // namespace cpu\n"),
         "fp8_gemv": (cut(c, "enum class GemvEpilogue", "// Whether norm_linear GEMVs") +
                      cut(f, "constexpr int kThreads = 256;", "__device__ __forceinline__ float fp8_value") +
                      cut(f, "// U: pieces in flight per lane and weight row",

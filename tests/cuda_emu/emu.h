@@ -71,6 +71,7 @@ struct __half { uint16_t bits; };
 inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { return bits_float(u); }
+inline uint32_t __float_as_uint(float f) { return float_bits(f); }
 inline float to_f(float v) { return v; }
 inline float to_f(__nv_bfloat16 v) { return bits_float(uint32_t(v.bits) << 16); }
 inline float to_f(__half v) {
@@ -187,6 +188,10 @@ template <typename V> inline V __shfl_xor_sync(unsigned, V v, int mask) {
   return emu::exchange(v, (threadIdx.x & 31) ^ mask);
 }
 template <typename V> inline V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, src); }
+template <typename V> inline V __shfl_down_sync(unsigned, V v, unsigned delta) {  // lanes from 32 - delta keep v
+  const int lane = threadIdx.x & 31;
+  return emu::exchange(v, lane + int(delta) < 32 ? lane + int(delta) : lane);
+}
 template <typename V> inline V __shfl_up_sync(unsigned, V v, unsigned delta) {  // lanes below delta keep v
   const int lane = threadIdx.x & 31;
   return emu::exchange(v, lane >= int(delta) ? lane - int(delta) : lane);
@@ -201,6 +206,18 @@ inline uint32_t __ballot_sync(unsigned, int pred) {
   return r;
 }
 inline int __popc(uint32_t v) { return __builtin_popcount(v); }
+inline int __ffs(uint32_t v) { return __builtin_ffs(int(v)); }
+inline uint32_t __match_any_sync(unsigned, int v) {  // the lanes holding the same value
+  emu::Warp& w = emu::my_warp();
+  const int lane = threadIdx.x & 31;
+  w.word[lane] = uint32_t(v);
+  w.bar.arrive_and_wait();
+  uint32_t r = 0;
+  for (int l = 0; l < 32; ++l) r |= uint32_t(w.word[l] == uint32_t(v)) << l;
+  w.bar.arrive_and_wait();
+  return r;
+}
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -167,9 +167,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (int c = first + tid; c < end; c += blockDim.x) {
-      const uint32_t key = order_key(sc[c]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    // Lanes of a warp that count into the same bin add once (their leader): scores of nearby pages share their top
+    // bits, and same-address atomics serialize.
+    for (int c0 = first; c0 < end; c0 += blockDim.x) {
+      const int c = c0 + tid;
+      const uint32_t key = c < end ? order_key(sc[c]) : 0u;
+      const int bin = c < end && (key & mask) == prefix ? int((key >> shift) & 255u) : -1;
+      const uint32_t same = __match_any_sync(0xffffffffu, bin);
+      if (bin >= 0 && (tid & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
     }
     __syncthreads();
     if (tid < 32) {  // the bin where the count from the top reaches `left`: lane l holds bins 8 l .. 8 l + 7

@@ -1,15 +1,21 @@
-// sparse.cu's staging kernel (cut out by cut.py) on the host emulator against cpu/sparse.cpp's stage_pages, the
-// rule both must follow (ops.h KvStaging): the same lists, map, slots, clocks, counts and staged K/V bytes after each
-// of a series of calls. Cases: 1-3 kv heads, staging areas from 1 slot (most pages read in place) to more than the
-// block's threads, lists that share pages across sequences, a sequence that does not select, e4m3 caches with
-// scales and 16-bit ones, and between calls pages moved into host frames (their map rows cleared, their bytes new).
+// sparse.cu's page lists and staging kernels (cut out by cut.py) on the host emulator. select_kernel: on random
+// scores with many ties, NaNs and infinities, each selecting list holds its sink, the budget's best candidates by
+// (score, earlier page) in page order and its window, as a sort picks them; other lists are their page tables.
+// stage_kernel against cpu/sparse.cpp's stage_pages, the rule both must follow (ops.h KvStaging): the same lists,
+// map, slots, clocks, counts and staged K/V bytes after each of a series of calls. Cases: 1-3 kv heads, staging
+// areas from 1 slot (most pages read in place) to more than the block's threads, lists that share pages across
+// sequences, a sequence that does not select, e4m3 caches with scales and 16-bit ones, and between calls pages
+// moved into host frames (their map rows cleared, their bytes new).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <random>
 
 #include "emu.h"
 #include "backend/ops.h"
 
 namespace qrt {
-#include "staging.inc"
+#include "sparse.inc"
 }  // namespace qrt
 
 using namespace qrt;
@@ -153,9 +159,65 @@ int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng) {
   return copies > 0 && reads >= copies ? 0 : 1;
 }
 
+// select_kernel over `pages` pages per sequence (sink 3, window 2 pages, budget 40), scores from a small set.
+int select_case(int seqs, int heads, int pages, std::mt19937& rng) {
+  SparseAttention rule;
+  rule.budget_pages = 40, rule.sink_pages = 3, rule.window_pages = 2;
+  const int ps = 16, P = pages + 8;
+  std::vector<int32_t> q_start(size_t(seqs) + 1), ctx(static_cast<size_t>(seqs)), table(size_t(seqs) * P);
+  for (int s = 0; s <= seqs; ++s) q_start[size_t(s)] = s;
+  for (int s = 0; s < seqs; ++s) {
+    const int n = s == seqs - 1 ? rule.budget_pages - 5 : pages - 3 * s;  // the last sequence does not select
+    ctx[size_t(s)] = (n - 1) * ps + 1 + int(rng() % ps);
+    for (int c = 0; c < P; ++c) table[size_t(s) * P + c] = int32_t(rng() % 100000);
+  }
+  const float levels[] = {-2.f, -0.5f, 0.f, 0.25f, 1.f, 3.5f, 1e30f, -INFINITY, INFINITY, NAN};
+  std::vector<float> scores(size_t(seqs) * heads * P);
+  for (auto& x : scores) x = rng() % 3 ? levels[rng() % 10] : float(int(rng() % 2000) - 1000) / 64.f;
+  std::vector<int32_t> lists(scores.size(), -9), keys(size_t(seqs) * heads, -9);
+  cuda::SelectArgs a{};
+  a.q_start = q_start.data(), a.ctx_len = ctx.data(), a.page_table = table.data(), a.max_pages = P;
+  a.page_size = ps, a.kv_heads = heads, a.rule = rule, a.scores = scores.data(), a.pages = lists.data();
+  a.keys = keys.data();
+  launch_chained(cuda::select_kernel, dim3(unsigned(heads), unsigned(seqs)), cuda::kSelectThreads, 0, nullptr, a);
+  for (int s = 0; s < seqs; ++s)
+    for (int h = 0; h < heads; ++h) {
+      const int64_t list = int64_t(s) * heads + h;
+      const int n = (ctx[size_t(s)] + ps - 1) / ps;
+      const int32_t* src = table.data() + size_t(s) * P;
+      std::vector<int32_t> want(src, src + n);
+      int want_key = ctx[size_t(s)];
+      if (n > rule.budget_pages) {  // candidates [3, n - 2): the k best by (score, NaN lowest; earlier page)
+        const float* sc = scores.data() + list * P;
+        auto rank = [](float f) { return std::isnan(f) ? -INFINITY : f; };
+        std::vector<int> order(size_t(n - 5));
+        std::iota(order.begin(), order.end(), 3);
+        std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+          if (std::isnan(sc[x]) != std::isnan(sc[y])) return std::isnan(sc[y]);
+          return rank(sc[x]) > rank(sc[y]);
+        });
+        order.resize(size_t(rule.budget_pages - 5));
+        std::sort(order.begin(), order.end());
+        want.assign(src, src + 3);
+        for (int c : order) want.push_back(src[c]);
+        want.insert(want.end(), src + n - 2, src + n);
+        want_key = (rule.budget_pages - 1) * ps + (ctx[size_t(s)] - (n - 1) * ps);
+      }
+      const int32_t* got = lists.data() + list * P;
+      if (!std::equal(want.begin(), want.end(), got) || keys[size_t(list)] != want_key) {
+        std::printf("select: sequence %d head %d of %d pages: the lists differ\n", s, h, n);
+        return 1;
+      }
+    }
+  std::printf("select: %d sequences x %d heads, %d pages: ok\n", seqs, heads, pages);
+  return 0;
+}
+
 int main() {
   std::mt19937 rng(7);
   int fails = 0;
+  fails += select_case(3, 2, 300, rng);
+  fails += select_case(2, 1, 2500, rng);  // more candidates than the block's threads
   fails += run_case(64, 1, 1, 2, 2, rng);
   fails += run_case(128, 2, 9, 1, 3, rng);
   fails += run_case(256, 3, 40, 2, 3, rng);
