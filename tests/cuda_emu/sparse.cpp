@@ -3,9 +3,9 @@
 // (score, earlier page) in page order and its window, as a sort picks them; other lists are their page tables.
 // stage_kernel against cpu/sparse.cpp's stage_pages, the rule both must follow (ops.h KvStaging): the same lists,
 // map, slots, clocks, counts and staged K/V bytes after each of a series of calls. Cases: 1-3 kv heads, staging
-// areas from 1 slot (most pages read in place) to more than the block's threads, lists that share pages across
-// sequences, a sequence that does not select, e4m3 caches with scales and 16-bit ones, and between calls pages
-// moved into host frames (their map rows cleared, their bytes new).
+// areas from 1 slot (most pages read in place) to more than the block's threads, lists longer than the block's
+// threads, lists that share pages across sequences, a sequence that does not select, e4m3 caches with scales and
+// 16-bit ones, and between calls pages moved into host frames (their map rows cleared, their bytes new).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -111,10 +111,10 @@ Lists make_lists(const Cache& c, int seqs, const SparseAttention& rule, std::mt1
   return l;
 }
 
-int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng) {
-  const int ps = 4, device = 6, host = 90;
+int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng, int budget = 12, int host = 90) {
+  const int ps = 4, device = 6;
   SparseAttention rule;
-  rule.budget_pages = 12, rule.sink_pages = 2, rule.window_pages = 2;
+  rule.budget_pages = budget, rule.sink_pages = 2, rule.window_pages = 2;
   Cache gpu = make_cache(D, H, ps, device, slots, host, eb, rng), cpu = gpu;
   for (int call = 0; call < 8; ++call) {
     if (call % 3 == 2) {  // pages moved into some host frames: new bytes, map rows cleared (as KvCache::move)
@@ -154,7 +154,7 @@ int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng) {
   std::printf("D %3d H %d slots %3d eb %d seqs %d: staged reads %4lld, copies %4lld, in place %4lld\n", D, H, slots,
               eb, seqs, (long long)reads, (long long)copies, (long long)in_place);
   // Enough slots for every chosen host page: none read in place; one slot: most are.
-  if (slots >= 12 * seqs && in_place != 0) return 1;
+  if (slots >= budget * seqs && in_place != 0) return 1;
   if (slots == 1 && in_place <= reads) return 1;
   return copies > 0 && reads >= copies ? 0 : 1;
 }
@@ -221,7 +221,8 @@ int main() {
   fails += run_case(64, 1, 1, 2, 2, rng);
   fails += run_case(128, 2, 9, 1, 3, rng);
   fails += run_case(256, 3, 40, 2, 3, rng);
-  fails += run_case(64, 2, 300, 1, 4, rng);  // more slots than the block's threads
+  fails += run_case(64, 2, 700, 1, 4, rng);  // more slots than the block's threads
+  fails += run_case(64, 1, 900, 2, 2, rng, 600, 1500);  // lists longer than the block's threads
   fails += run_case(128, 1, 24, 2, 1, rng);
   std::printf(fails ? "FAILED\n" : "ok\n");
   return fails ? 1 : 0;

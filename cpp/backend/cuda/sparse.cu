@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs
 }
 
 // ---- staging (ops.h KvStaging) ----
-constexpr int kStageThreads = 256;
+constexpr int kStageThreads = 512;
+constexpr int kStageLoads = 4;  // 16-byte host reads in flight a thread while copying (PCIe latency; a block a head)
 
 struct StageArgs {
   KvStaging st;
@@ -321,14 +322,26 @@ __global__ void __launch_bounds__(kStageThreads) stage_kernel(const StageArgs a)
         src = int64_t(copy_from[c] - a.host0) * ps + r;
         dst = int64_t(a.st.first + victims[c]) * ps + r;
       };
-      for (int64_t u = tid; u < int64_t(got) * ps * 2 * units; u += blockDim.x) {
-        const int piece = int(u % units), kv = int(u / units % 2), r = int(u / units / 2 % ps);
+      auto piece_at = [&](int64_t u, bool host) -> char* {  // 16-byte piece u of the copy, in either tier
+        const int piece = int(u % units), kv = int(u / units % 2);
         int64_t src, dst;
-        rows(int(u / units / 2 / ps), r, src, dst);
-        const int64_t col = int64_t(h) * a.head_dim * a.elem_bytes + piece * 16;
-        const char* from = (kv ? a.host_v : a.host_k) + src * row_bytes + col;
-        char* into = (kv ? a.v : a.k) + dst * row_bytes + col;
-        *reinterpret_cast<uint4*>(into) = *reinterpret_cast<const uint4*>(from);
+        rows(int(u / units / 2 / ps), int(u / units / 2 % ps), src, dst);
+        const int64_t at = (host ? src : dst) * row_bytes + int64_t(h) * a.head_dim * a.elem_bytes + piece * 16;
+        return host ? const_cast<char*>(kv ? a.host_v : a.host_k) + at : (kv ? a.v : a.k) + at;
+      };
+      const int64_t pieces = int64_t(got) * ps * 2 * units;
+      for (int64_t u0 = tid; u0 < pieces; u0 += int64_t(kStageLoads) * blockDim.x) {
+        uint4 buf[kStageLoads];
+#pragma unroll
+        for (int j = 0; j < kStageLoads; ++j) {
+          const int64_t u = u0 + int64_t(j) * blockDim.x;
+          if (u < pieces) buf[j] = *reinterpret_cast<const uint4*>(piece_at(u, true));
+        }
+#pragma unroll
+        for (int j = 0; j < kStageLoads; ++j) {
+          const int64_t u = u0 + int64_t(j) * blockDim.x;
+          if (u < pieces) *reinterpret_cast<uint4*>(piece_at(u, false)) = buf[j];
+        }
       }
       if (a.k_scale)
         for (int u = tid; u < got * ps; u += blockDim.x) {
