@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (ranks are threads, shared-memory all-reduce): TP=2/4 give exactly
-the TP=1 greedy tokens in fp32, whatever the KV heads per rank; batching and preemption under TP."""
+the TP=1 greedy tokens in fp32, whatever the KV heads per rank; batching and preemption under TP; a host tier with
+sparse decode and staging under TP."""
 from __future__ import annotations
 
 import re
@@ -194,3 +195,27 @@ def test_tp_failing_rank_fails_the_step_at_once(build, tmp_path, tp, rank):
     assert f"rank {rank} failed (QWEN_RT_TEST_FAIL_RANK)" in lines["ERROR"], r.stdout
     assert float(lines["ERROR"].split()[1]) < 20, r.stdout
     assert "CLOSED" in lines and float(lines["CLOSED"].split()[1]) < 20, r.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa2_tied", "qwen35_hybrid"])
+def test_tp_with_a_host_tier_sparse_attention_and_staging(build, fresh_gen, name):
+    """TP=2 over a host tier (each rank's pages of its kv heads), sparse decode choosing per kv head and staging
+    the chosen host pages on each rank: TP=1's tokens, and each rank stages (the counts sum over ranks)."""
+    import qwen_rt
+
+    folder = build(name)
+    prompts = M.pick_prompts(folder, seed=19, lengths=[230, 170], max_new=12)
+    sa = qwen_rt.SparseAttention(budget_tokens=32, sink_tokens=8, window_tokens=8)
+    kw = dict(page_size=4, max_num_batched_tokens=16, max_batch_size=2, max_model_len=300, sparse_attention=sa,
+              kv_cache_memory=M.kv_bytes(folder, 120, 4), kv_offload_memory=M.kv_bytes(folder, 200, 4),
+              kv_staging_pages=24)
+    runs, stats = {}, {}
+    for tp in (1, 2):
+        gen = fresh_gen(folder, tensor_parallel_size=tp, **kw)
+        runs[tp] = gen.generate(prompts, max_tokens=12, **GREEDY)
+        stats[tp] = gen.stats()
+    assert [c.token_ids for c in runs[2]] == [c.token_ids for c in runs[1]]
+    for tp in (1, 2):
+        assert stats[tp]["staging_reads"] > stats[tp]["staging_copies"] > 0 and stats[tp]["page_reads_host"] > 0
+    # A rank's pages hold half the kv heads: its pool holds twice the pages, so fewer go to the host.
+    assert stats[2]["device_pages"] > stats[1]["device_pages"]
