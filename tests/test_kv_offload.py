@@ -161,6 +161,13 @@ def test_offload_arguments(build):
     with pytest.raises(ValueError, match="staging frames leave the device KV pool"):
         qwen_rt.Generator(str(folder), kv_staging_pages=400, sparse_attention=sa,
                           **offload_kwargs(folder, device_pages=60, host_pages=20))
+    # The default staging (twice the budget's 8 pages) never refuses a pool: it shrinks where its frames and map
+    # would take over a quarter of what the pool holds beyond a step's pages.
+    for device_pages, want in ((60, 0), (80, 2)):
+        small = qwen_rt.Generator(str(folder), sparse_attention=sa,
+                                  **offload_kwargs(folder, device_pages=device_pages, host_pages=200))
+        assert small.stats()["staging_pages"] == want
+        small.close()
     with pytest.raises(ValueError, match="kv_staging_pages must be >= 0"):
         qwen_rt.Generator(str(folder), kv_staging_pages=-1, **offload_kwargs(folder, device_pages=40, host_pages=20))
 

@@ -473,28 +473,36 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   " pages) must hold the pages one step writes (", reserve, ": max_num_batched_tokens / page_size + ",
                   "2 x max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
     logical = pages + host_pages - reserve;
-    // Staging frames and their map, out of the device pool.
-    // The default: on the CPU only until the staging kernel has run on a GPU (set kv_staging_pages to use it there).
+    // Staging frames and their map (KvCache::staging_bytes), out of the device pool.
+    const int64_t lh = int64_t(kvf.layers) * kvf.kv_heads;
+    auto take = [&](int64_t slots) {
+      const int64_t meta = host_pages * lh * 4 + 2 * lh * slots * 4 + lh * 36 + 512;
+      return slots + (meta + int64_t(bpp) - 1) / int64_t(bpp);
+    };
+    // The default: twice the budget's pages, no more than the host tier's and leaving the pool three quarters of
+    // what it has beyond a step's pages (none where that leaves no frame); on the CPU only until the staging kernel
+    // has run on a GPU (set kv_staging_pages to use it there).
     int64_t slots = opt.kv_staging_pages;
-    if (slots < 0)
-      slots = sparse.budget_pages > 0 && !cuda ? std::min<int64_t>(2 * sparse.budget_pages, (pages - reserve) / 4) : 0;
+    if (slots < 0) {
+      slots = sparse.budget_pages > 0 && !cuda ? std::min<int64_t>(2 * sparse.budget_pages, host_pages) : 0;
+      while (slots > 0 && take(slots) > (pages - reserve) / 4) slots /= 2;
+    }
     if (slots > 0) {
       QRT_CHECK_ARG(sparse.budget_pages > 0, "kv_staging_pages needs sparse attention (it keeps selected host pages)");
-      const int64_t lh = int64_t(kvf.layers) * kvf.kv_heads;
-      const int64_t meta = host_pages * lh * 4 + 2 * lh * slots * 4 + lh * 36 + 512;
-      const int64_t take = slots + (meta + int64_t(bpp) - 1) / int64_t(bpp);
-      QRT_CHECK_ARG(pages - take >= reserve, "kv_staging_pages: ", slots, " staging frames leave the device KV pool ",
-                    std::max<int64_t>(pages - take, 0), " pages, fewer than one step writes (", reserve,
+      const int64_t taken = take(slots);
+      QRT_CHECK_ARG(pages - taken >= reserve, "kv_staging_pages: ", slots, " staging frames leave the device KV pool ",
+                    std::max<int64_t>(pages - taken, 0), " pages, fewer than one step writes (", reserve,
                     "); raise kv_cache_memory or lower kv_staging_pages");
-      pages -= take;
-      logical -= take;
+      pages -= taken;
+      logical -= taken;
     }
     staging_pages = int(slots);
   }
   QRT_CHECK_ARG(opt.kv_staging_pages <= 0 || host_pages > 0,
                 "kv_staging_pages needs a host tier (kv_offload_memory): it keeps selected host pages");
   QRT_CHECK_ARG(pages >= 1, "the KV cache has room for no page: one page needs ", bpp, " bytes per rank");
-  QRT_CHECK_ARG(logical < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
+  // Frame numbers (device, scratch, staging, host) times page_size fit the int32 rows of a step.
+  QRT_CHECK_ARG(pages + 1 + staging_pages + host_pages < (int64_t(1) << 31) / opt.page_size - 1, "too many KV pages");
   on_ranks([&](int, Rank& rk) {
     rk.kv = std::make_unique<KvCache>(*rk.be, kvf, int(pages), int(host_pages), staging_pages);
     if (opt.synthetic_prefill) rk.kv->fill_random(opt.seed ^ 0x5717e71cull);

@@ -13,7 +13,8 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 KvCache::KvCache(Backend& be, const KvFormat& f, int pages, int host_pages, int staging_slots)
     : be_(be), f_(f), pages_(pages), host_pages_(host_pages), staging_(staging_slots),
       buf_(&be, staging_offset() + staging_bytes(), Buffer::Zeroed{}) {
-  QRT_CHECK(staging_ == 0 || (f.summaries && host_pages > 0), "KV staging needs summaries and a host tier");
+  QRT_CHECK(staging_ == 0 || (staging_ > 0 && f.summaries && host_pages > 0),
+            "KV staging needs summaries and a host tier");
   if (host_pages > 0) host_ = be.alloc_host_tier(f.host_page_bytes() * host_pages);
   if (staging_ > 0) {
     try {

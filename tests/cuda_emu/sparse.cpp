@@ -122,11 +122,18 @@ int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng, int b
       for (int i = 0; i < 10; ++i) {
         const int f = pick(rng);
         const size_t row = size_t(H) * D * eb;
-        for (int r = 0; r < ps; ++r)
+        for (int r = 0; r < ps; ++r) {
           for (size_t b = 0; b < row; ++b) gpu.hk[(size_t(f) * ps + r) * row + b] = (unsigned char)rng();
+          for (size_t b = 0; b < row; ++b) gpu.hv[(size_t(f) * ps + r) * row + b] = (unsigned char)rng();
+          if (eb == 1)
+            for (int h = 0; h < H; ++h) {
+              gpu.hks[(size_t(f) * ps + r) * H + h] = float(rng() % 64) / 16.f;
+              gpu.hvs[(size_t(f) * ps + r) * H + h] = float(rng() % 64) / 16.f;
+            }
+        }
         for (size_t j = 0; j < size_t(gpu.layers) * H; ++j) gpu.map[size_t(f) * gpu.layers * H + j] = 0;
       }
-      cpu.hk = gpu.hk, cpu.map = gpu.map;
+      cpu.hk = gpu.hk, cpu.hv = gpu.hv, cpu.hks = gpu.hks, cpu.hvs = gpu.hvs, cpu.map = gpu.map;
     }
     Lists l = make_lists(gpu, seqs, rule, rng);
     std::vector<int32_t> gl = l.pages, cl = l.pages;

@@ -128,14 +128,16 @@ void stage_pages(const KvLayer& c, const AttnBatch& b, const AttnShape& sh, cons
   };
   uint32_t hand = clock[0];
   int64_t copies = 0;
+  bool full = false;  // every slot is read this call: the rest are read in place
   lists([&](int32_t* list, int m) {  // pages no slot holds: the next slot the hand reaches that is not read
-    for (int e = 0; e < m; ++e) {
+    for (int e = 0; e < m && !full; ++e) {
       const int f = list[e];
       if (f < host0 || map(f) > 0) continue;
       int slot = -1;
       for (int i = 0; i < S && slot < 0; ++i)
         if (used[(hand + i) % S] != call) slot = int((hand + i) % S);
-      if (slot < 0) return;  // every slot is read this call: the rest are read in place
+      full = slot < 0;
+      if (full) return;
       hand = uint32_t(slot + 1) % S;
       const int old = slot_page[slot] - 1;
       if (old >= 0 && map(host0 + old) == slot + 1) map(host0 + old) = 0;

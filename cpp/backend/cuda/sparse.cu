@@ -433,6 +433,7 @@ void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch&
   if (cache.staging.slots == 0) return;
   QRT_CHECK(cache.host_k && cache.host_page0 == cache.staging.first + cache.staging.slots,
             "cuda select_pages: staging without a host tier after it");
+  QRT_CHECK(sh.head_dim * dtype_size(cache.dtype) % 16 == 0, "cuda select_pages: staging copies 16-byte pieces");
   StageArgs g{cache.staging, static_cast<const char*>(cache.host_k), static_cast<const char*>(cache.host_v),
               static_cast<char*>(cache.k), static_cast<char*>(cache.v), cache.host_k_scale, cache.host_v_scale,
               cache.fp8() ? cache.k_scale : nullptr, cache.v_scale, int(dtype_size(cache.dtype)), cache.host_page0,
