@@ -11,6 +11,7 @@
 #   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
 #   tools/gpu_switches.sh old fp8_ab    (git archive 2afd69a | gzip > .ab/old.tgz, carried: FP8 decode against it)
 #   tools/gpu_switches.sh longctx_big longctx_real prefill64k     (issue 32's long contexts; the 64k prefill)
+#   tools/gpu_switches.sh profile_batch                            (bf16 decode's kernels at batch 1 / 2 / 4)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 QWEN_RT_PROGRESS=0
@@ -94,6 +95,12 @@ longctx_real)  # real prefills: 256k on the device; 128k through a 3 GiB device 
 prefill64k)
   bench prefill_64k 150 python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b \
     --prefill-lengths 65536;;
+profile_batch)  # where bf16 decode's time goes at batch 1 and 2 (issue 30: batch 2 steps 0.86 ms longer, the roofline 0.1)
+  for b in 1 2 4; do
+    QWEN_RT_PDL=0 timeout 100 python3 tools/profile_decode.py --model qwen3.8-27b --batch $b --tokens 16 \
+      --out "$OUT/bf16_profile_b$b.txt" > "$OUT/bf16_profile_b$b.log" 2>&1
+    echo "profile b$b rc $? $(el)"; head -14 "$OUT/bf16_profile_b$b.txt"
+  done;;
 profile)
   timeout 100 python3 -m qwen_rt.bench gpu --parts gemm --gemm-rows 1024,8192 --json "$OUT/gemm.jsonl" 2>&1 \
     | grep -v "^{" > "$OUT/gemm.log"; tail -14 "$OUT/gemm.log"; echo "gemm $(el)"
