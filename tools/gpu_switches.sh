@@ -58,7 +58,8 @@ prefill_mma)
 concurrency)  # bf16 decode by batch: the 16-bit GEMV up to 8 rows at K > 3072 (QWEN_RT_GEMV_ROWS=8) against cuBLASLt
   C="python3 -m qwen_rt.bench gpu --models qwen3.8-27b --parts decode --decode-batches 1,2,4,8"
   bench decode_bf16 100 $C
-  bench decode_bf16_gemv8 100 env QWEN_RT_GEMV_ROWS=8 $C;;
+  bench decode_bf16_gemv8 100 env QWEN_RT_GEMV_ROWS=8 $C
+  bench decode_bf16_gemv4 100 env QWEN_RT_GEMV_ROWS=4 $C;;
 old)  # the commit packed in .ab/old.tgz (git archive; carry it) built into /tmp/oldpkg: PYTHONPATH=/tmp/oldpkg runs it
   mkdir -p /tmp/oldsrc && tar xzf .ab/old.tgz -C /tmp/oldsrc
   (cd /tmp/oldsrc && QWEN_RT_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target /tmp/oldpkg \

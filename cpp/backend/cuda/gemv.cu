@@ -28,11 +28,15 @@
 // against 0.789-0.790 ms, batch 2 0.866-0.871 against 0.914-0.920 (session 13, two alternated rounds).
 // Tried and left out by measurement: staging x (x * gain with a norm) in shared memory once per block
 // (Qwen3-8B batch 1: 5.2 against 4.7 ms per step). QWEN_RT_NORM_GEMV=off turns the folding off.
-// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 4; 0: one block per row group, not persistent).
+// QWEN_RT_GEMV_BLOCKS=<n> sets the blocks per SM (default 4; 0: one block per row group, not persistent), at most
+// as many as fit (the registers of 3-8 rows fit 1-2 blocks: a larger grid ran its last blocks after the first wave;
+// session 32, not yet measured).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -46,14 +50,28 @@ constexpr int kShortRow = 3072;
 constexpr int warps_per_row(int64_t K) { return K <= kShortRow ? 1 : 2; }
 __host__ __device__ constexpr int rows_per_group(int wpr) { return kThreads / 32 / wpr; }
 
-// Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs.
-int64_t grid_blocks(int64_t groups, int num_sms) {
+// Blocks of the persistent grid for `groups` row groups on a device of num_sms SMs, where `resident` blocks of the
+// kernel fit an SM: at most one wave (a grid of 4 an SM where 1-3 fit left a quarter or more of the row groups to
+// blocks that start only as the first wave ends: at 3+ rows the registers fit 1-2 blocks).
+int64_t grid_blocks(int64_t groups, int num_sms, int resident) {
   static const int per_sm = [] {
     const char* e = std::getenv("QWEN_RT_GEMV_BLOCKS");
     return e ? std::atoi(e) : 4;
   }();
   if (per_sm <= 0) return groups;
-  return std::min<int64_t>(groups, int64_t(num_sms) * per_sm);
+  return std::min<int64_t>(groups, int64_t(num_sms) * std::max(1, std::min(per_sm, resident)));
+}
+
+// Blocks of `kernel` that fit an SM (asked once per kernel; the launches of every rank's thread share the answers).
+int resident_blocks(const void* kernel) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> fit;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = fit.find(kernel);
+  if (it != fit.end()) return it->second;
+  int n = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0), "gemv (occupancy)");
+  return fit[kernel] = n;
 }
 
 
@@ -260,7 +278,8 @@ void launch_m(int M, const Tensor& x, const Tensor& w, int64_t N, const Tensor* 
   const DType bt = bias ? bias->dtype : DType::F32;
   auto go = [&](auto wpr, auto kernel) {
     constexpr int kRows = rows_per_group(decltype(wpr)::value);
-    const unsigned blocks = unsigned(grid_blocks((N + kRows - 1) / kRows, num_sms));
+    const int fit = resident_blocks(reinterpret_cast<const void*>(kernel));
+    const unsigned blocks = unsigned(grid_blocks((N + kRows - 1) / kRows, num_sms, fit));
     launch_chained(kernel, blocks, kThreads, 0, s, x.ptr<T>(), x.stride, w.ptr<T>(), w.stride, out.ptr<O>(),
                    out.stride, N, w.cols, bp, bt, nm);
   };
