@@ -134,8 +134,8 @@ def test_cli_bad_flags_and_chat_without_tokenizer(build, capsys, monkeypatch):
 def test_cli_engine_flags_reach_the_generator(build, capsys):
     """--quantization, --kv-cache-dtype and --rope-scaling reach Generator: the tokens printed are those Generator
     gives with the same arguments (and the run's tokens differ without --rope-scaling); --sparse-attention with a
-    budget above the context, --speculative-tokens 0 and a --kv-offload-memory tier leave them as they are; a
-    --rope-scaling that is not JSON is one error line."""
+    budget above the context, --speculative-tokens 0 and a --kv-offload-memory tier with --kv-staging-pages leave
+    them as they are; staging without a host tier and a --rope-scaling that is not JSON are one error line each."""
     import qwen_rt
 
     folder = build("qwen3_gqa2_tied")
@@ -151,8 +151,12 @@ def test_cli_engine_flags_reach_the_generator(build, capsys):
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.split() == [str(t) for t in want]
     assert cli.main(argv + ["--sparse-attention", "2048", "--speculative-tokens", "0",
-                            "--kv-cache-memory", str(8 << 20), "--kv-offload-memory", str(1 << 20)]) == 0
+                            "--kv-cache-memory", str(8 << 20), "--kv-offload-memory", str(1 << 20),
+                            "--kv-staging-pages", "4"]) == 0
     assert capsys.readouterr().out.split() == [str(t) for t in want]
+    assert cli.main(argv + ["--kv-staging-pages", "4"]) == 1  # staging without a host tier: one error line
+    err = capsys.readouterr().err
+    assert "kv_staging_pages needs" in err and len(err.strip().splitlines()) == 1, err
     assert cli.main(argv[:-2]) == 0  # without --rope-scaling
     assert capsys.readouterr().out.split() != [str(t) for t in want]
     assert cli.main(argv[:-1] + ["{yarn"]) == 1

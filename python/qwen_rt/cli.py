@@ -96,6 +96,8 @@ def _add_generate(sub) -> None:
                    help="host memory for a second KV tier (pinned on CUDA)")
     p.add_argument("--sparse-attention", type=int, default=None, metavar="TOKENS",
                    help="decode long contexts attending to this many tokens (runtime-scored pages)")
+    p.add_argument("--kv-staging-pages", type=int, default=None, metavar="N",
+                   help="device frames keeping the host pages sparse attention chose (with --kv-offload-memory)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K", help="MTP draft tokens a step")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
                    help='keys over config.json\'s RoPE settings, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
@@ -105,7 +107,7 @@ def _add_generate(sub) -> None:
 
 # Generator arguments the generate command passes through when given (flag name with '_' for '-').
 _ENGINE_ARGS = ("max_model_len", "max_batch_size", "revision", "quantization", "kv_cache_dtype", "kv_cache_memory",
-                "kv_offload_memory", "speculative_tokens")
+                "kv_offload_memory", "kv_staging_pages", "speculative_tokens")
 
 
 def _ids_text(ids) -> str:

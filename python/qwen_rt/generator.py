@@ -389,6 +389,10 @@ class Generator:
         if sparse_attention is not None and not isinstance(sparse_attention, SparseAttention):
             raise TypeError("sparse_attention must be a qwen_rt.SparseAttention or None, got "
                             f"{type(sparse_attention).__name__}")
+        if kv_staging_pages and kv_offload_memory is None:  # (before the weights load)
+            raise ValueError("kv_staging_pages needs a host tier (kv_offload_memory): it keeps selected host pages")
+        if kv_staging_pages and sparse_attention is None:
+            raise ValueError("kv_staging_pages needs sparse attention (it keeps selected host pages)")
         if quantization is not None and not isinstance(quantization, str):
             raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
         if not isinstance(kv_cache_dtype, str):
