@@ -473,10 +473,10 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
                   " pages) must hold the pages one step writes (", reserve, ": max_num_batched_tokens / page_size + ",
                   "2 x max_batch_size); raise kv_cache_memory or lower max_num_batched_tokens or max_batch_size");
     logical = pages + host_pages - reserve;
-    // Staging frames and their map (KvCache::staging_bytes), out of the device pool.
-    const int64_t lh = int64_t(kvf.layers) * kvf.kv_heads;
+    // Staging frames and their map, out of the device pool (the map's bytes rounded up to pages, and 256 more for
+    // KvCache's alignment).
     auto take = [&](int64_t slots) {
-      const int64_t meta = host_pages * lh * 4 + 2 * lh * slots * 4 + lh * 36 + 512;
+      const int64_t meta = int64_t(KvCache::staging_bytes(kvf, int(host_pages), int(slots))) + 256;
       return slots + (meta + int64_t(bpp) - 1) / int64_t(bpp);
     };
     // The default: twice the budget's pages, no more than the host tier's and leaving the pool three quarters of

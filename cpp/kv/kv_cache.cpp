@@ -12,7 +12,7 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 KvCache::KvCache(Backend& be, const KvFormat& f, int pages, int host_pages, int staging_slots)
     : be_(be), f_(f), pages_(pages), host_pages_(host_pages), staging_(staging_slots),
-      buf_(&be, staging_offset() + staging_bytes(), Buffer::Zeroed{}) {
+      buf_(&be, staging_offset() + staging_bytes(f, host_pages, staging_slots), Buffer::Zeroed{}) {
   QRT_CHECK(staging_ == 0 || (staging_ > 0 && f.summaries && host_pages > 0),
             "KV staging needs summaries and a host tier");
   if (host_pages > 0) host_ = be.alloc_host_tier(f.host_page_bytes() * host_pages);
@@ -36,10 +36,10 @@ size_t KvCache::staging_offset() const {
 }
 
 // [counts: L H 3 int64][map: host_pages L H int32][slot_page: L H S][used: L H S][clock: L H 2][zeros: L H]
-size_t KvCache::staging_bytes() const {
-  if (staging_ == 0) return 0;
-  const size_t lh = size_t(f_.layers) * f_.kv_heads;
-  return lh * 3 * 8 + size_t(host_pages_) * lh * 4 + 2 * lh * size_t(staging_) * 4 + lh * 2 * 4 + lh * 4;
+size_t KvCache::staging_bytes(const KvFormat& f, int host_pages, int slots) {
+  if (slots <= 0) return 0;
+  const size_t lh = size_t(f.layers) * f.kv_heads;
+  return lh * 3 * 8 + size_t(host_pages) * lh * 4 + 2 * lh * size_t(slots) * 4 + lh * 2 * 4 + lh * 4;
 }
 
 std::array<int64_t, 3> KvCache::staging_counts() const {

@@ -47,6 +47,8 @@ class KvCache {
  public:
   // staging_slots: frames of the staging area (0: none; needs summaries and a host tier).
   KvCache(Backend& be, const KvFormat& format, int device_pages, int host_pages, int staging_slots = 0);
+  // Device bytes of the staging area's map, slots, clocks and counts (its frames are device frames).
+  static size_t staging_bytes(const KvFormat& format, int host_pages, int staging_slots);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -74,7 +76,6 @@ class KvCache {
   void fill_host_from_device();  // K, V and scale rows of host frame h: device frame h % pages_'s
 
   size_t staging_offset() const;  // in buf_
-  size_t staging_bytes() const;
 
   Backend& be_;
   KvFormat f_;
