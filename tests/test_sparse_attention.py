@@ -234,11 +234,13 @@ def _cuda():
 @pytest.mark.parametrize("act", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qh,kvh,hd,ps", [(24, 4, 256, 16), (32, 8, 128, 16), (4, 1, 64, 4)])
 @pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3"])
-def test_cuda_select_pages_matches_cpu(cpu, act, qh, kvh, hd, ps, kv_dtype):
+@pytest.mark.parametrize("agg", ["0", "1"])
+def test_cuda_select_pages_matches_cpu(cpu, act, qh, kvh, hd, ps, kv_dtype, agg, monkeypatch):
     """Summaries, lists and attention against the CPU's; with an fp8 cache the summaries are of the dequantized
     keys (bf16: rounded to bf16, so compared within its rounding) and the lists are not checked against the raw
-    keys' rule."""
+    keys' rule. The lists' radix select with its plain and its warp-aggregated histogram (QWEN_RT_SELECT_AGG=1)."""
     _cuda()
+    monkeypatch.setenv("QWEN_RT_SELECT_AGG", agg)
     from test_cuda_ops import harness, rel, round_to
 
     gpu = harness("cuda:0", act)

@@ -83,6 +83,8 @@ longctx_big)  # issue 32's table, Qwen3.8-27B FP8 weights, fp8 KV: 4k real, 128k
   L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
   bench longctx_device 250 $L --longctx-lengths 4096,131072,262144,1048576 --longctx-budgets 2048,4096 \
     --longctx-synthetic-from 131072
+  bench longctx_device_agg 250 env QWEN_RT_SELECT_AGG=1 $L --longctx-lengths 1048576 --longctx-budgets 2048 \
+    --longctx-synthetic-from 131072
   bench longctx_host 330 $L --longctx-lengths 131072,1048576 --longctx-budgets 2048,4096 --longctx-staging 512,0 \
     --longctx-synthetic-from 131072 --longctx-offload -1 --longctx-kv-memory $((6 << 30));;
 longctx_real)  # real prefills: 256k on the device; 128k through a 3 GiB device pool and the host tier, the page moves

@@ -1,6 +1,7 @@
-// sparse.cu's page lists and staging kernels (cut out by cut.py) on the host emulator. select_kernel: on random
-// scores with many ties, NaNs and infinities, each selecting list holds its sink, the budget's best candidates by
-// (score, earlier page) in page order and its window, as a sort picks them; other lists are their page tables.
+// sparse.cu's page lists and staging kernels (cut out by cut.py) on the host emulator. select_kernel (its plain and
+// its warp-aggregated histogram): on random scores with many ties, NaNs and infinities, each selecting list holds its
+// sink, the budget's best candidates by (score, earlier page) in page order and its window, as a sort picks them;
+// other lists are their page tables.
 // stage_kernel against cpu/sparse.cpp's stage_pages, the rule both must follow (ops.h KvStaging): the same lists,
 // map, slots, clocks, counts and staged K/V bytes after each of a series of calls. Cases: 1-3 kv heads, staging
 // areas from 1 slot (most pages read in place) to more than the block's threads, lists longer than the block's
@@ -167,7 +168,7 @@ int run_case(int D, int H, int slots, int eb, int seqs, std::mt19937& rng, int b
 }
 
 // select_kernel over `pages` pages per sequence (sink 3, window 2 pages, budget 40), scores from a small set.
-int select_case(int seqs, int heads, int pages, std::mt19937& rng) {
+int select_case(int seqs, int heads, int pages, bool aggregate, std::mt19937& rng) {
   SparseAttention rule;
   rule.budget_pages = 40, rule.sink_pages = 3, rule.window_pages = 2;
   const int ps = 16, P = pages + 8;
@@ -185,7 +186,7 @@ int select_case(int seqs, int heads, int pages, std::mt19937& rng) {
   cuda::SelectArgs a{};
   a.q_start = q_start.data(), a.ctx_len = ctx.data(), a.page_table = table.data(), a.max_pages = P;
   a.page_size = ps, a.kv_heads = heads, a.rule = rule, a.scores = scores.data(), a.pages = lists.data();
-  a.keys = keys.data();
+  a.keys = keys.data(), a.aggregate = aggregate;
   launch_chained(cuda::select_kernel, dim3(unsigned(heads), unsigned(seqs)), cuda::kSelectThreads, 0, nullptr, a);
   for (int s = 0; s < seqs; ++s)
     for (int h = 0; h < heads; ++h) {
@@ -216,15 +217,17 @@ int select_case(int seqs, int heads, int pages, std::mt19937& rng) {
         return 1;
       }
     }
-  std::printf("select: %d sequences x %d heads, %d pages: ok\n", seqs, heads, pages);
+  std::printf("select: %d sequences x %d heads, %d pages, aggregate %d: ok\n", seqs, heads, pages, int(aggregate));
   return 0;
 }
 
 int main() {
   std::mt19937 rng(7);
   int fails = 0;
-  fails += select_case(3, 2, 300, rng);
-  fails += select_case(2, 1, 2500, rng);  // more candidates than the block's threads
+  for (bool aggregate : {false, true}) {
+    fails += select_case(3, 2, 300, aggregate, rng);
+    fails += select_case(2, 1, 2500, aggregate, rng);  // more candidates than the block's threads
+  }
   fails += run_case(64, 1, 1, 2, 2, rng);
   fails += run_case(128, 2, 9, 1, 3, rng);
   fails += run_case(256, 3, 40, 2, 3, rng);

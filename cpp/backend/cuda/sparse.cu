@@ -2,6 +2,8 @@
 // The lists are cpu/sparse.cpp's: the same candidates, the same order of scores (ties: the earlier page), so the
 // two backends select the same pages wherever their fp32 scores order the same.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -62,6 +64,7 @@ struct SelectArgs {
   float* scores;
   int32_t* pages;
   int32_t* keys;
+  bool aggregate;  // QWEN_RT_SELECT_AGG=1: select_kernel's warp-aggregated histogram (not yet run on a GPU)
 };
 
 // Sequence s's candidates for selection, [first, end), and the pages it selects among them; false when it
@@ -167,14 +170,21 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SelectArgs
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    // Lanes of a warp that count into the same bin add once (their leader): scores of nearby pages share their top
-    // bits, and same-address atomics serialize.
-    for (int c0 = first; c0 < end; c0 += blockDim.x) {
-      const int c = c0 + tid;
-      const uint32_t key = c < end ? order_key(sc[c]) : 0u;
-      const int bin = c < end && (key & mask) == prefix ? int((key >> shift) & 255u) : -1;
-      const uint32_t same = __match_any_sync(0xffffffffu, bin);
-      if (bin >= 0 && (tid & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+    if (a.aggregate) {
+      // Lanes of a warp that count into the same bin add once (their leader): scores of nearby pages share their
+      // top bits, and same-address atomics serialize (at 1M tokens a pass counts 65,536 scores in this block).
+      for (int c0 = first; c0 < end; c0 += blockDim.x) {
+        const int c = c0 + tid;
+        const uint32_t key = c < end ? order_key(sc[c]) : 0u;
+        const int bin = c < end && (key & mask) == prefix ? int((key >> shift) & 255u) : -1;
+        const uint32_t same = __match_any_sync(0xffffffffu, bin);
+        if (bin >= 0 && (tid & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+      }
+    } else {
+      for (int c = first + tid; c < end; c += blockDim.x) {
+        const uint32_t key = order_key(sc[c]);
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+      }
     }
     __syncthreads();
     if (tid < 32) {  // the bin where the count from the top reaches `left`: lane l holds bins 8 l .. 8 l + 7
@@ -408,8 +418,10 @@ void launch_select_pages(const Tensor& q, const KvLayer& cache, const AttnBatch&
   QRT_CHECK(sh.head_dim == 64 || sh.head_dim == 128 || sh.head_dim == 256, "cuda select_pages: head_dim ",
             sh.head_dim, " (64, 128, 256)");
   if (b.num_seqs == 0) return;
+  const char* agg = std::getenv("QWEN_RT_SELECT_AGG");  // read at every call (the tests set it)
   SelectArgs a{q.data, q.stride, cache.summary, b.q_start, b.ctx_len, b.page_table, b.max_pages, b.page_size,
-               sh.kv_heads, sh.q_heads / sh.kv_heads, sh.head_dim, rule, scores, pages, keys};
+               sh.kv_heads, sh.q_heads / sh.kv_heads, sh.head_dim, rule, scores, pages, keys,
+               agg && std::strcmp(agg, "1") == 0};
   const size_t smem = size_t(a.group) * sh.head_dim * 4;
   const dim3 grid(ceil_div(std::max(b.max_pages, 1), kScoreWarps * kScorePagesPerWarp), unsigned(sh.kv_heads),
                   unsigned(b.num_seqs));
