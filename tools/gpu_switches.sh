@@ -10,7 +10,7 @@
 #   tools/gpu_switches.sh prefill_mma decode longctx profile     (a second, on the warm machine)
 #   tools/gpu_switches.sh concurrency                              (bf16 decode by batch, GEMV rows)
 #   tools/gpu_switches.sh old fp8_ab    (git archive 2afd69a | gzip > .ab/old.tgz, carried: FP8 decode against it)
-#   tools/gpu_switches.sh longctx_big longctx_real prefill64k     (issue 32's long contexts; the 64k prefill)
+#   tools/gpu_switches.sh longctx_big; longctx_host; longctx_real prefill64k; longctx_move   (issue 32: four calls)
 #   tools/gpu_switches.sh profile_batch                            (bf16 decode's kernels at batch 1 / 2 / 4)
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen_rt_out}; mkdir -p "$OUT"
@@ -78,23 +78,30 @@ fp8_ab)  # FP8 27B batch-1 decode, this commit against the old one (part old), a
       --batch 1 --tokens 16 --out "$OUT/fp8_profile_$v.txt" > "$OUT/fp8_profile_$v.log" 2>&1
     echo "profile $v rc $? $(el)"; head -12 "$OUT/fp8_profile_$v.txt"
   done;;
-longctx_big)  # issue 32's table, Qwen3.8-27B FP8 weights, fp8 KV: 4k real, 128k-1M stand-in contexts on the device,
-  # then 128k and 1M in a 6 GiB device pool with the host tier, sparse with 512 staging frames and without
+longctx_big)  # issue 32's table, Qwen3.8-27B FP8 weights, fp8 KV, on the device: 4k real, 128k-1M stand-in contexts
+  # (~9 min: a 27B Generator takes ~20 s to start, and there are 14)
   L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
-  bench longctx_device 250 $L --longctx-lengths 4096,131072,262144,1048576 --longctx-budgets 2048,4096 \
-    --longctx-synthetic-from 131072
-  bench longctx_device_agg 250 env QWEN_RT_SELECT_AGG=1 $L --longctx-lengths 1048576 --longctx-budgets 2048 \
-    --longctx-synthetic-from 131072
-  bench longctx_host 330 $L --longctx-lengths 131072,1048576 --longctx-budgets 2048,4096 --longctx-staging 512,0 \
-    --longctx-synthetic-from 131072 --longctx-offload -1 --longctx-kv-memory $((6 << 30));;
-longctx_real)  # real prefills: 256k on the device; 128k through a 3 GiB device pool and the host tier, the page moves
-  # on the step's stream and on their own (QWEN_RT_MOVE_STREAM=1)
+  L="$L --longctx-budgets 2048,4096 --longctx-synthetic-from 131072"
+  bench longctx_device_a 200 $L --longctx-lengths 4096,131072
+  bench longctx_device_b 240 $L --longctx-lengths 262144,1048576
+  bench longctx_device_agg 90 env QWEN_RT_SELECT_AGG=1 $L --longctx-lengths 1048576 --longctx-budgets 2048;;
+longctx_host)  # 128k and 1M stand-in contexts through a 6 GiB device pool and the host tier: full attention, and
+  # sparse with 512 staging frames and without (~9 min)
   L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
-  L="$L --longctx-synthetic-from 0"
-  bench longctx_256k 200 $L --longctx-lengths 262144 --longctx-budgets 2048
-  H="$L --longctx-lengths 131072 --longctx-budgets 2048 --longctx-offload -1 --longctx-kv-memory $((3 << 30))"
-  bench longctx_host_128k 150 $H
-  bench longctx_host_128k_ms 150 env QWEN_RT_MOVE_STREAM=1 $H;;
+  L="$L --longctx-budgets 2048,4096 --longctx-staging 512,0 --longctx-synthetic-from 131072 --longctx-offload -1"
+  L="$L --longctx-kv-memory $((6 << 30))"
+  bench longctx_host_128k 200 $L --longctx-lengths 131072
+  bench longctx_host_1m 330 $L --longctx-lengths 1048576;;
+longctx_real)  # a real 256k-token prefill on the device, then full and sparse decode (~5 min)
+  L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
+  bench longctx_256k 300 $L --longctx-synthetic-from 0 --longctx-lengths 262144 --longctx-budgets 2048;;
+longctx_move)  # a real 128k-token prefill through a 3 GiB device pool and the host tier, the page moves on the
+  # step's stream and on their own (QWEN_RT_MOVE_STREAM=1) (~6 min)
+  L="python3 -m qwen_rt.bench gpu --parts longctx --quantization fp8 --new-tokens 16 --longctx-kv fp8"
+  L="$L --longctx-synthetic-from 0 --longctx-lengths 131072 --longctx-budgets 2048 --longctx-offload -1"
+  L="$L --longctx-kv-memory $((3 << 30))"
+  bench move_128k 180 $L
+  bench move_128k_stream 180 env QWEN_RT_MOVE_STREAM=1 $L;;
 prefill64k)
   bench prefill_64k 150 python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b \
     --prefill-lengths 65536;;
