@@ -105,7 +105,7 @@ longctx_move)  # a real 128k-token prefill through a 3 GiB device pool and the h
 prefill64k)
   bench prefill_64k 150 python3 -m qwen_rt.bench gpu --parts prefill --prefill-model qwen3.8-27b \
     --prefill-lengths 65536;;
-profile_batch)  # where bf16 decode's time goes at batch 1 and 2 (issue 30: batch 2 steps 0.86 ms longer, the roofline 0.1)
+profile_batch)  # where bf16 decode's time goes at batches 1, 2, 4 (issue 30: batch 2 steps 0.86 ms longer; roofline 0.1)
   for b in 1 2 4; do
     QWEN_RT_PDL=0 timeout 100 python3 tools/profile_decode.py --model qwen3.8-27b --batch $b --tokens 16 \
       --out "$OUT/bf16_profile_b$b.txt" > "$OUT/bf16_profile_b$b.log" 2>&1
