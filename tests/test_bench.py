@@ -235,7 +235,7 @@ def test_longctx_bench_decodes_stand_in_contexts_through_the_host_tier(build, mo
     # holds the default sink (64 tokens) and window (512) and 4 chosen pages.
     device = M.kv_bytes(folder, 1, 16, 2) * 120
     rows = bench_gpu.bench_longctx("tiny", [2400], [640], 8, -1, np.random.default_rng(0), synthetic_from=2000,
-                                   kv_memory=device, staging=(None, 0))
+                                   kv_memory=device, staging=(16, 0))
     assert [(r["attention"], r["staging_pages"] > 0) for r in rows] == [("full", False), ("sparse 640", True),
                                                                         ("sparse 640", False)]
     for r in rows:

@@ -143,7 +143,7 @@ def test_preemption_and_cancellation_with_pages_on_the_host(build, fresh_gen, id
     assert st["free_pages"] == st["total_pages"]
 
 
-def test_offload_arguments(build):
+def test_offload_arguments(build, monkeypatch):
     import qwen_rt
 
     folder = build("qwen3_gqa2_tied")
@@ -161,9 +161,14 @@ def test_offload_arguments(build):
     with pytest.raises(ValueError, match="staging frames leave the device KV pool"):
         qwen_rt.Generator(str(folder), kv_staging_pages=400, sparse_attention=sa,
                           **offload_kwargs(folder, device_pages=60, host_pages=20))
-    # The default staging (twice the budget's 8 pages) never refuses a pool: it shrinks where its frames and map
-    # would take over a quarter of what the pool holds beyond a step's pages.
-    for device_pages, want in ((60, 0), (80, 2)):
+    # The default: no staging; QWEN_RT_KV_STAGING=1's (twice the budget's 8 pages) never refuses a pool: it shrinks
+    # where its frames and map would take over a quarter of what the pool holds beyond a step's pages.
+    plain = qwen_rt.Generator(str(folder), sparse_attention=sa,
+                              **offload_kwargs(folder, device_pages=400, host_pages=200))
+    assert plain.stats()["staging_pages"] == 0
+    plain.close()
+    monkeypatch.setenv("QWEN_RT_KV_STAGING", "1")
+    for device_pages, want in ((60, 0), (80, 2), (400, 16)):
         small = qwen_rt.Generator(str(folder), sparse_attention=sa,
                                   **offload_kwargs(folder, device_pages=device_pages, host_pages=200))
         assert small.stats()["staging_pages"] == want

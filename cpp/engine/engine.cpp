@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -479,12 +480,14 @@ void Engine::Impl::build(const std::vector<TensorSource>& tensors, const Progres
       const int64_t meta = int64_t(KvCache::staging_bytes(kvf, int(host_pages), int(slots))) + 256;
       return slots + (meta + int64_t(bpp) - 1) / int64_t(bpp);
     };
-    // The default: twice the budget's pages, no more than the host tier's and leaving the pool three quarters of
-    // what it has beyond a step's pages (none where that leaves no frame); on the CPU only until the staging kernel
-    // has run on a GPU (set kv_staging_pages to use it there).
+    // The default: none until the staging kernel has been measured on a GPU (on the CPU both tiers are host memory:
+    // staging would only copy). QWEN_RT_KV_STAGING=1 sizes it: twice the budget's pages, no more than the host
+    // tier's, and leaving the pool three quarters of what it has beyond a step's pages (none where that leaves none).
     int64_t slots = opt.kv_staging_pages;
     if (slots < 0) {
-      slots = sparse.budget_pages > 0 && !cuda ? std::min<int64_t>(2 * sparse.budget_pages, host_pages) : 0;
+      const char* e = std::getenv("QWEN_RT_KV_STAGING");
+      const bool on = e && std::strcmp(e, "1") == 0 && sparse.budget_pages > 0;
+      slots = on ? std::min<int64_t>(2 * sparse.budget_pages, host_pages) : 0;
       while (slots > 0 && take(slots) > (pages - reserve) / 4) slots /= 2;
     }
     if (slots > 0) {

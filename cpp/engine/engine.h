@@ -41,8 +41,8 @@ struct EngineOptions {
   int sparse_sink_tokens = 0;
   int sparse_window_tokens = 0;    // at least one page (the current one)
   // Sparse decode with a host tier: device frames that keep the selected host pages (ops.h KvStaging), taken from
-  // the device pool. -1: twice the budget's pages with both on (fewer where the pool is small), else none; on CUDA
-  // none until the staging kernel has run on a GPU.
+  // the device pool. -1: none (QWEN_RT_KV_STAGING=1: twice the budget's pages with both on, fewer where the pool is
+  // small) until the staging kernel has been measured on a GPU.
   int kv_staging_pages = -1;
   // Speculative decoding with the checkpoint's MTP head: draft tokens per step (0: off), and the most sequences of a
   // step that feed drafts (more decoding ones than that: the rest decode plainly).
