@@ -35,11 +35,23 @@ size_t KvCache::staging_offset() const {
   return align256(f_.host_page_bytes() * size_t(host0()) + f_.summary_page_bytes() * size_t(host0() + host_pages_));
 }
 
-// [counts: L H 3 int64][map: host_pages L H int32][slot_page: L H S][used: L H S][clock: L H 2][zeros: L H]
-size_t KvCache::staging_bytes(const KvFormat& f, int host_pages, int slots) {
-  if (slots <= 0) return 0;
+// The staging area's arrays, byte offsets from its start (L layers, H kv heads, S slots): counts [L H 3] int64, map
+// [host_pages][L H] int32, slot_page [L H S] int32, used [L H S] uint32, clock [L H 2] uint32, zeros [L H] int32
+// (the source that clears a map row), then its end.
+KvCache::StagingLayout KvCache::staging_layout(const KvFormat& f, int host_pages, int slots) {
   const size_t lh = size_t(f.layers) * f.kv_heads;
-  return lh * 3 * 8 + size_t(host_pages) * lh * 4 + 2 * lh * size_t(slots) * 4 + lh * 2 * 4 + lh * 4;
+  StagingLayout o;
+  o.map = lh * 3 * 8;
+  o.slot_page = o.map + size_t(host_pages) * lh * 4;
+  o.used = o.slot_page + lh * size_t(slots) * 4;
+  o.clock = o.used + lh * size_t(slots) * 4;
+  o.zeros = o.clock + lh * 2 * 4;
+  o.end = o.zeros + lh * 4;
+  return o;
+}
+
+size_t KvCache::staging_bytes(const KvFormat& f, int host_pages, int slots) {
+  return slots > 0 ? staging_layout(f, host_pages, slots).end : 0;
 }
 
 std::array<int64_t, 3> KvCache::staging_counts() const {
@@ -74,22 +86,21 @@ KvLayer KvCache::layer(int l) const {
     k.summary_dtype = f_.summary_dtype;
   }
   const int host0 = this->host0();
-  if (staging_ > 0) {
-    const size_t lh = size_t(f_.layers) * f_.kv_heads, H = size_t(f_.kv_heads), S = size_t(staging_);
+  if (staging_ > 0) {  // layer l's rows of each array (the map: every layer's, its column l * kv_heads on)
+    const size_t H = size_t(f_.kv_heads), S = size_t(staging_);
+    const StagingLayout o = staging_layout(f_, host_pages_, staging_);
     char* base = buf_.as<char>() + staging_offset();
     KvStaging& st = k.staging;
     st.first = pages_ + 1;
     st.slots = staging_;
     st.counts = reinterpret_cast<int64_t*>(base) + size_t(l) * H * 3;
     st.counts_host = counts_host_ + size_t(l) * H * 3;
-    int32_t* map = reinterpret_cast<int32_t*>(base + lh * 3 * 8);
-    st.map = map;
-    st.map_stride = int(lh);
+    st.map = reinterpret_cast<int32_t*>(base + o.map);
+    st.map_stride = f_.layers * f_.kv_heads;
     st.map_col = l * f_.kv_heads;
-    int32_t* slot_page = map + size_t(host_pages_) * lh;
-    st.slot_page = slot_page + size_t(l) * H * S;
-    st.used = reinterpret_cast<uint32_t*>(slot_page + lh * S) + size_t(l) * H * S;
-    st.clock = reinterpret_cast<uint32_t*>(slot_page + 2 * lh * S) + size_t(l) * H * 2;
+    st.slot_page = reinterpret_cast<int32_t*>(base + o.slot_page) + size_t(l) * H * S;
+    st.used = reinterpret_cast<uint32_t*>(base + o.used) + size_t(l) * H * S;
+    st.clock = reinterpret_cast<uint32_t*>(base + o.clock) + size_t(l) * H * 2;
   }
   if (host_pages_ > 0) {
     k.host_k = rows(l, 0, host0);
@@ -122,11 +133,13 @@ void KvCache::fill_random(uint64_t seed) {
       }
     }
   }
+  if (f_.summaries) summarize_device_frames();
   fill_host_from_device();
-  if (!f_.summaries) {
-    be_.synchronize();
-    return;
-  }
+  be_.synchronize();
+}
+
+void KvCache::summarize_device_frames() {
+  const int64_t rows_n = int64_t(pages_) * f_.page_size;
   // Every row in order, a chunk of pages at a time: each page's last row summarizes it.
   const int64_t chunk = std::min<int64_t>(rows_n, int64_t(1) << 16) / f_.page_size * f_.page_size;
   Buffer idx(&be_, size_t(chunk) * 4);
@@ -141,24 +154,19 @@ void KvCache::fill_random(uint64_t seed) {
     b.page_size = f_.page_size;
     for (int l = 0; l < f_.layers; ++l) be_.summarize_pages(layer(l), b, int(f_.kv_cols()));
   }
-  // Host frame h's summary rows: those of device frame h % pages_ (computed above).
-  const size_t summary = 2 * size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
-  for (int l = 0; l < f_.layers; ++l)
-    for (int h = 0; h < host_pages_; h += pages_) {
-      const int n = std::min(pages_, host_pages_ - h);
-      be_.copy(summary_rows(l, host0() + h), summary_rows(l, 0), size_t(n) * summary);
-    }
-  be_.synchronize();
+  be_.synchronize();  // (before idx is freed)
 }
 
 void KvCache::fill_host_from_device() {
   const size_t rb = size_t(f_.page_size) * f_.row_bytes(), sb = size_t(f_.page_size) * f_.scale_row_bytes();
+  const size_t summary = 2 * size_t(f_.kv_cols()) * dtype_size(f_.summary_dtype);
   for (int l = 0; l < f_.layers; ++l)
-    for (int what = 0; what < (f_.fp8() ? 4 : 2); ++what)
-      for (int h = 0; h < host_pages_; h += pages_) {
-        const int n = std::min(pages_, host_pages_ - h);
+    for (int h = 0; h < host_pages_; h += pages_) {  // frames [h, h + n) of the host tier from device frames [0, n)
+      const int n = std::min(pages_, host_pages_ - h);
+      for (int what = 0; what < (f_.fp8() ? 4 : 2); ++what)
         be_.copy(rows(l, what, host0() + h), rows(l, what, 0), size_t(n) * (what < 2 ? rb : sb));
-      }
+      if (f_.summaries) be_.copy(summary_rows(l, host0() + h), summary_rows(l, 0), size_t(n) * summary);
+    }
 }
 
 void KvCache::move(const PageMoves& moves) {
@@ -177,11 +185,11 @@ void KvCache::move(const PageMoves& moves) {
   };
   std::vector<CopySegment> out = segments(moves.out);
   if (staging_ > 0) {  // a host frame's new page is no slot's: its map row to zeros
-    const size_t lh = size_t(f_.layers) * f_.kv_heads;
+    const size_t row = size_t(f_.layers) * f_.kv_heads * 4;
+    const StagingLayout o = staging_layout(f_, host_pages_, staging_);
     char* base = buf_.as<char>() + staging_offset();
-    char* map = base + lh * 3 * 8;
-    const char* zeros = map + (size_t(host_pages_) * lh + 2 * lh * size_t(staging_) + lh * 2) * 4;
-    for (const auto& [from, to] : moves.out) out.push_back({map + size_t(to - host0()) * lh * 4, zeros, lh * 4});
+    for (const auto& [from, to] : moves.out)
+      out.push_back({base + o.map + size_t(to - host0()) * row, base + o.zeros, row});
   }
   be_.move_pages(out, segments(moves.in), moves.beside);
 }

@@ -73,8 +73,13 @@ class KvCache {
   // Layer l's array `what` (0 K, 1 V, 2 K scales, 3 V scales) from `frame`'s first row, in the frame's tier.
   char* rows(int l, int what, int frame) const;
   char* summary_rows(int l, int frame) const;
-  void fill_host_from_device();  // K, V and scale rows of host frame h: device frame h % pages_'s
+  void summarize_device_frames();  // every device frame's summary rows from its K rows
+  void fill_host_from_device();    // K, V, scale and summary rows of host frame h: device frame h % pages_'s
 
+  struct StagingLayout {
+    size_t map, slot_page, used, clock, zeros, end;
+  };
+  static StagingLayout staging_layout(const KvFormat& format, int host_pages, int staging_slots);
   size_t staging_offset() const;  // in buf_
 
   Backend& be_;
