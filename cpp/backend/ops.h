@@ -18,6 +18,13 @@
 
 #include "core/tensor.h"
 
+// For the few rules the CUDA kernels apply as the host does (one definition for both).
+#if defined(__CUDACC__)
+#define QRT_HOST_DEVICE __host__ __device__
+#else
+#define QRT_HOST_DEVICE
+#endif
+
 namespace qrt {
 
 // FP8 weights are quantized in blocks of kFp8Block columns (and, in checkpoints, rows).
@@ -144,7 +151,7 @@ struct SparseAttention {
   int budget_pages = 0;  // 0: off
   int sink_pages = 0;
   int window_pages = 1;  // >= 1, and sink_pages + window_pages < budget_pages
-  bool selects(int ctx_len, int q_len, int page_size) const {
+  QRT_HOST_DEVICE bool selects(int ctx_len, int q_len, int page_size) const {
     return budget_pages > 0 && q_len == 1 && (ctx_len + page_size - 1) / page_size > budget_pages;
   }
 };

@@ -75,7 +75,7 @@ __device__ __forceinline__ bool candidates(const SelectArgs& a, int s, int& n, i
   first = a.rule.sink_pages;
   end = n - a.rule.window_pages;
   k = a.rule.budget_pages - a.rule.sink_pages - a.rule.window_pages;
-  return a.rule.budget_pages > 0 && q_len == 1 && n > a.rule.budget_pages;  // SparseAttention::selects
+  return a.rule.selects(ctx, q_len, a.page_size);
 }
 
 // Grid (page blocks, kv heads, sequences): each warp scores kScorePagesPerWarp candidate pages of (s, h); a lane
@@ -270,10 +270,7 @@ __global__ void __launch_bounds__(kStageThreads) stage_kernel(const StageArgs a)
   uint32_t* used = a.st.used + int64_t(h) * S;
   uint32_t* clock = a.st.clock + 2 * h;
   auto map = [&](int f) { return a.st.map + int64_t(f - a.host0) * a.st.map_stride + a.st.map_col + h; };
-  auto selects = [&](int s) {
-    const int ctx = a.ctx_len[s], q_len = a.q_start[s + 1] - a.q_start[s];
-    return a.rule.budget_pages > 0 && q_len == 1 && (ctx + ps - 1) / ps > a.rule.budget_pages;
-  };
+  auto selects = [&](int s) { return a.rule.selects(a.ctx_len[s], a.q_start[s + 1] - a.q_start[s], ps); };
   auto list_of = [&](int s) { return a.pages + (int64_t(s) * H + h) * a.max_pages; };
   auto entries = [&](int s) { return (a.keys[int64_t(s) * H + h] + ps - 1) / ps; };
   const uint32_t call = clock[1] + 1;
