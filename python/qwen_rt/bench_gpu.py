@@ -278,7 +278,7 @@ def bench_longctx(model: str, lengths, budgets, new_tokens: int, offload: int, r
                   kv_dtypes=("auto",), kv_memory: int = 0, staging=(None,)) -> list[dict]:
     """Batch-1 decode at long contexts, attending to everything ("full") and with sparse attention of each budget:
     the prefill's seconds (once; its pages then come from the prefix cache), decode ms per step, the KV bytes of
-    each tier. offload: kv_offload_memory (bytes; 0: none; -1: each context's K/V and 5% more). kv_memory:
+    each tier. offload: kv_offload_memory (bytes; 0: none; -1: each context's K/V, 5% and 1,024 tokens more). kv_memory:
     kv_cache_memory, the device pool's bytes (0: what gpu_memory_utilization leaves). Contexts of synthetic_from tokens
     or more (0: none) are random stand-in K/V (synthetic_prefill; labelled so), the host tier's too: decode only.
     kv_dtypes: kv_cache_dtype values to run; staging: kv_staging_pages values to run with sparse attention over a
@@ -614,7 +614,7 @@ def add_parser(sub) -> None:
     p.add_argument("--longctx-lengths", default="4096,32768,131072")
     p.add_argument("--longctx-budgets", default="2048,4096", help="sparse attention budgets (tokens) besides full")
     p.add_argument("--longctx-offload", type=int, default=0,
-                   help="kv_offload_memory in bytes (0: none; -1: each context's K/V and 5%% more)")
+                   help="kv_offload_memory in bytes (0: none; -1: each context's K/V, 5%% and 1,024 tokens more)")
     p.add_argument("--longctx-staging", default="auto",
                    help="kv_staging_pages values to run with sparse attention over a host tier (auto: the default)")
     p.add_argument("--longctx-kv-memory", type=int, default=0,
